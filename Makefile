@@ -1,0 +1,43 @@
+# make run   - set up, then the offline demo (2 processes on CPU, real data)
+# make test  - set up, then the test suite
+SHELL := /bin/bash
+PYTHON_BIN ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+
+.PHONY: setup run test test-fast lint clean
+
+setup: $(STAMP) $(FMNIST)
+
+# The venv is ~6 GB: built once, rebuilt only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@$(PYTHON_BIN) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version.split()[0]}"'
+	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+# Fashion-MNIST (real, offline) comes from Debian's dataset-fashion-mnist package.
+$(FMNIST):
+	@if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	else \
+		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist'" >&2; exit 1; \
+	fi
+
+run: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not dist"
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,139 @@
+"""Compose the Hydra config, convert it once to typed dataclasses, validate it.
+
+Hydra stays here and in `train.py`; the rest of the package receives the
+typed `RunConfig` pieces. Every failure becomes a `ConfigError` whose one-line
+message names the key, the value and what is allowed, before any process
+group starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sdp.data import DataConfig, data_vocab_size, validate_data
+from sdp.errors import ConfigError
+from sdp.metrics.logger import LoggerConfig, validate_logger
+from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig
+from sdp.optim import OptimConfig, validate_optim
+from sdp.parallel import ParallelConfig, validate_parallel
+from sdp.subnet import MaskingConfig, validate_masking
+from sdp.trainer import TrainerConfig, validate_trainer
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "debug")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    dataset: DataConfig
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    parallelism: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    name: str | None = None
+    run_dir: str | None = None
+    output_root: str = "outputs"
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group, as `group=<option>` accepts them."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line overrides (Hydra's compose API)."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _explain_compose_error(err, overrides) from None
+
+
+def _explain_compose_error(err: Exception, overrides: list[str]) -> ConfigError:
+    msg = str(err)
+    missing = re.search(r"Could not find '(\w+)/([^']+)'", msg)
+    if missing:
+        group, option = missing.groups()
+        return ConfigError(group, option, f"unknown option; allowed: {', '.join(group_options(group))}")
+    not_in_struct = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
+    if not_in_struct:
+        key = not_in_struct.group(1)
+        value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
+        return ConfigError(key, value, "no such key (prefix '+' to add a new one)")
+    first_line = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
+    return ConfigError("overrides", " ".join(overrides), f"could not be composed: {first_line}")
+
+
+def check_pairing(cfg: DictConfig) -> None:
+    """The model family must suit the dataset kind.
+
+    Runs before interpolations are resolved: a family's fields may interpolate
+    the dataset's (num_classes, image_size), which a mismatched dataset lacks.
+    """
+    family = cfg.model.get("family")
+    if family not in FAMILIES:
+        raise ConfigError("model.family", family, f"allowed: {', '.join(FAMILIES)}")
+    kind = cfg.dataset.get("kind")
+    if FAMILY_KIND[family] != kind:
+        wanted = [o for o in group_options("dataset") if OmegaConf.load(CONF_DIR / "dataset" / f"{o}.yaml").get("kind") == FAMILY_KIND[family]]
+        raise ConfigError("dataset", cfg.dataset.get("name"), f"model={cfg.model.get('name')} needs a {FAMILY_KIND[family]} dataset; allowed: {', '.join(wanted)}")
+
+
+def to_typed(cfg: DictConfig) -> RunConfig:
+    """Convert the composed config to `RunConfig`, checking every field's type."""
+    family = cfg.model.family
+    sections = {"model": FAMILIES[family], "dataset": DataConfig, "masking": MaskingConfig, "parallelism": ParallelConfig,
+                "optim": OptimConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+    typed = {}
+    for key, schema in sections.items():
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(schema), cfg[key])
+            typed[key] = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{key}.{getattr(err, 'key', None) or '?'}", getattr(err, "value", None), f"invalid: {str(err).splitlines()[0]}") from None
+    top = {k: cfg.get(k) for k in ("seed", "name", "run_dir", "output_root")}
+    return RunConfig(**typed, **top)
+
+
+def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
+    """Every check that can run before the process group starts."""
+    validate_masking(cfg.masking)
+    validate_parallel(cfg.parallelism)
+    validate_optim(cfg.optim)
+    validate_trainer(cfg.trainer, world_size=world_size)
+    validate_logger(cfg.logger)
+    validate_data(cfg.dataset, offline=offline)
+    if isinstance(cfg.model, LlamaConfig):
+        if cfg.dataset.seq_len > cfg.model.max_seq_len:
+            raise ConfigError("dataset.seq_len", cfg.dataset.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len} (the model's positions)")
+        vocab = data_vocab_size(cfg.dataset)
+        if vocab is not None and vocab > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {vocab} ids (dataset.tokenizer)")
+
+
+def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
+    """Compose and type a run's config, without the checks that look at data or the world."""
+    raw = compose_config(overrides)
+    check_pairing(raw)
+    try:
+        OmegaConf.resolve(raw)
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(getattr(err, "full_key", "?")), None, f"cannot be resolved: {str(err).splitlines()[0]}") from None
+    return raw, to_typed(raw)
+
+
+def load_config(overrides: list[str], *, world_size: int, offline: bool) -> tuple[DictConfig, RunConfig]:
+    """Compose, type and validate a run's config; raises ConfigError on any bad input."""
+    raw, typed = typed_config(overrides)
+    validate(typed, world_size=world_size, offline=offline)
+    return raw, typed

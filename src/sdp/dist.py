@@ -1,0 +1,94 @@
+"""All distributed plumbing: world info, process group, device, rank-0 helpers.
+
+This is the only module that reads the environment (torchrun's RANK /
+WORLD_SIZE / LOCAL_RANK and the Hugging Face offline flags); everything else
+receives a `World` and plain arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> World:
+    """Rank and world size as torchrun exports them; a plain `python -m` run is a world of one."""
+    return World(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def hub_offline() -> bool:
+    """True when the user asked the Hugging Face libraries not to touch the network."""
+    return any(os.environ.get(k, "0").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def select_device(preference: str, world: World) -> torch.device:
+    """`auto` takes this rank's GPU when CUDA is present, else the CPU."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(world.local_rank)
+    return torch.device("cuda", world.local_rank)
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(world: World, *, backend: str) -> None:
+    """Join the job's process group; a single process outside torchrun gets a group of one."""
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def broadcast_object(obj, *, src: int = 0):
+    """Send a picklable object from `src` to every rank (e.g. the run dir, decided once)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    dist.all_reduce(tensor, op=ops[op])
+    return tensor
+
+
+def print0(world: World, *args, file=sys.stdout) -> None:
+    if world.is_main:
+        print(*args, file=file, flush=True)

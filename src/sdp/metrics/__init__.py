@@ -1,0 +1,1 @@
+"""Per-rank measurements: memory bytes, communication bytes, run outputs."""

@@ -1,0 +1,39 @@
+"""Communication bytes, counted where the collectives are issued."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class CommCounter:
+    """Bytes of collective payload this rank sends, by kind, per optimizer step.
+
+    The payload is the size of the tensor handed to the collective (an
+    all-reduce of N bytes counts N), not the wire traffic of a particular
+    algorithm (a ring all-reduce moves 2(K-1)/K * N per rank).
+    """
+
+    def __init__(self) -> None:
+        self._current: dict[str, int] = defaultdict(int)
+        self.total: dict[str, int] = defaultdict(int)
+        self.steps = 0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self._current[kind] += nbytes
+
+    def end_step(self) -> dict[str, int]:
+        """Close one optimizer step; returns its bytes by kind."""
+        step = dict(self._current)
+        for kind, nbytes in step.items():
+            self.total[kind] += nbytes
+        self._current.clear()
+        self.steps += 1
+        return step
+
+    def per_step(self) -> dict[str, float]:
+        """Mean bytes per step by kind, plus their sum under `total`."""
+        if self.steps == 0:
+            return {"total": 0.0}
+        means = {kind: nbytes / self.steps for kind, nbytes in self.total.items()}
+        means["total"] = sum(means.values())
+        return means

@@ -1,0 +1,95 @@
+"""Plain models, built from their upstream libraries.
+
+Models know nothing of masking or parallelism: SDP, DDP and FSDP are applied
+from outside (see `sdp.subnet` and `sdp.parallel`). Each family has its own
+small config; `build_model` dispatches on `family`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sdp.errors import ConfigError
+
+
+@dataclass
+class LlamaConfig:
+    """A LLaMA decoder (transformers `LlamaForCausalLM`), untied by default."""
+
+    name: str = "llama"
+    family: str = "llama"
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ResNetConfig:
+    """A torchvision ResNet of BasicBlocks, with a configurable stem for small images."""
+
+    name: str = "resnet"
+    family: str = "resnet"
+    layers: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
+    num_classes: int = 10
+    # The CIFAR variant: a 3x3 stride-1 stem and no max-pool keeps 32x32 inputs
+    # at full resolution in the first stage (He et al. 2016, Sec. 4.2 practice).
+    stem_kernel: int = 3
+    stem_stride: int = 1
+    stem_pool: bool = False
+
+
+@dataclass
+class SwinConfig:
+    """A timm Swin Transformer; `img_size`/`patch_size`/`window_size` adapt it to 32x32."""
+
+    name: str = "swin"
+    family: str = "swin"
+    img_size: int = 32
+    patch_size: int = 2
+    window_size: int = 4
+    embed_dim: int = 96
+    depths: list[int] = field(default_factory=lambda: [2, 2, 6, 2])
+    num_heads: list[int] = field(default_factory=lambda: [3, 6, 12, 24])
+    mlp_ratio: float = 4.0
+    drop_path_rate: float = 0.0
+    num_classes: int = 10
+
+
+ModelConfig = LlamaConfig | ResNetConfig | SwinConfig
+
+FAMILIES: dict[str, type] = {"llama": LlamaConfig, "resnet": ResNetConfig, "swin": SwinConfig}
+# Which dataset kind each family consumes.
+FAMILY_KIND = {"llama": "text", "resnet": "image", "swin": "image"}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the plain (unmasked, unwrapped) model on the current default device."""
+    if isinstance(cfg, LlamaConfig):
+        from sdp.models.llama import build_llama
+
+        return build_llama(cfg)
+    if isinstance(cfg, ResNetConfig):
+        from sdp.models.resnet import build_resnet
+
+        return build_resnet(cfg)
+    if isinstance(cfg, SwinConfig):
+        from sdp.models.swin import build_swin
+
+        return build_swin(cfg)
+    raise ConfigError("model.family", getattr(cfg, "family", None), f"allowed: {', '.join(FAMILIES)}")
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters, counting tied tensors once (works on the meta device)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,69 @@
+"""Optimizers and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from sdp.errors import ConfigError
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.9
+    nesterov: bool = False
+    schedule: str = "cosine"  # cosine | linear | constant, after a linear warmup
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
+
+
+def validate_optim(cfg: OptimConfig) -> None:
+    """Reject values the optimizer or schedule cannot use."""
+    if cfg.name not in ("adamw", "sgd"):
+        raise ConfigError("optim.name", cfg.name, "allowed: adamw, sgd")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError("optim.schedule", cfg.schedule, f"allowed: {', '.join(SCHEDULES)}")
+    if not cfg.lr > 0:
+        raise ConfigError("optim.lr", cfg.lr, "must be > 0")
+    if cfg.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", cfg.warmup_steps, "must be >= 0")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]")
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Build the optimizer over `params` (only the tensors this rank trains)."""
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_factor(step: int, *, cfg: OptimConfig, max_steps: int) -> float:
+    """Multiplier of the base lr at `step` (0-based): linear warmup, then decay to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, progress)
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg=cfg, max_steps=max_steps)
+    )

@@ -1,0 +1,138 @@
+"""The single entrypoint: `torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]`.
+
+compose config -> validate (before any process group) -> build -> train -> close.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sdp import dist
+from sdp.config import RunConfig, load_config
+from sdp.data import build_data, prepare_data
+from sdp.errors import ConfigError
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.logger import RunLogger
+from sdp.models import build_model, count_params
+from sdp.optim import build_optimizer, build_scheduler
+from sdp.parallel import apply_parallelism
+from sdp.trainer import micro_batch_size, train
+
+
+def run_name(cfg: RunConfig) -> str:
+    return cfg.name or f"{cfg.model.name}-{cfg.dataset.name}-{cfg.masking.name}"
+
+
+def choose_run_dir(cfg: RunConfig) -> Path:
+    """The run dir, decided by rank 0 only (a timestamp differs between processes)."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    return Path(cfg.output_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_name(cfg)}"
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Refuse to write into a finished or running run: nothing written so far is lost."""
+    if cfg.run_dir and (Path(cfg.run_dir) / "metrics.jsonl").exists():
+        raise ConfigError("run_dir", cfg.run_dir, "already holds a run (metrics.jsonl); choose a new run_dir")
+
+
+def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
+    device = dist.select_device(cfg.trainer.device, world)
+    backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
+    dist.init_process_group(world, backend=backend)
+    logger = None
+    exit_code = 1
+    summary: dict = {}
+    try:
+        run_dir = Path(dist.broadcast_object(str(choose_run_dir(cfg)) if world.is_main else None))
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+            prepare_data(cfg.dataset)
+        dist.barrier()
+
+        micro = micro_batch_size(cfg.trainer, world_size=world.world_size)
+        data = build_data(
+            cfg.dataset,
+            rank=world.rank,
+            world_size=world.world_size,
+            batch_size=micro,
+            eval_batch_size=cfg.trainer.eval_batch_size or micro,
+            seed=cfg.seed,
+        )
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = build_model(cfg.model).to(device)
+        n_params = count_params(model)
+        comm = CommCounter()
+        model = apply_parallelism(model, cfg.parallelism, device=device, comm=comm)
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
+
+        summary = {
+            "status": "running",
+            "run_dir": str(run_dir),
+            "model": cfg.model.name,
+            "dataset": cfg.dataset.name,
+            "n_params": n_params,
+            "world_size": world.world_size,
+            "coverage": cfg.masking.coverage,
+            "masking": cfg.masking.name,
+            "parallelism": cfg.parallelism.name,
+            "device": device.type,
+            "seed": cfg.seed,
+        }
+        logger = RunLogger(cfg.logger, run_dir=run_dir, run_name=run_name(cfg), active=world.is_main,
+                           config=OmegaConf.to_container(raw, resolve=True))
+        dist.print0(world, f"run dir: {run_dir}  ({cfg.model.name}: {n_params / 1e6:.2f}M params, "
+                           f"{world.world_size} x {micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})")
+        units = cfg.dataset.seq_len if data.kind == "text" else 1
+        summary.update(train(model=model, data=data, optimizer=optimizer, scheduler=scheduler, cfg=cfg.trainer,
+                             world=world, device=device, comm=comm, logger=logger, units_per_sample=units))
+        summary["status"] = "completed"
+        exit_code = 0
+        return summary
+    except KeyboardInterrupt:
+        summary.update(status="interrupted")
+        raise
+    except Exception as err:
+        summary.update(status="failed", error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        if logger is not None:
+            logger.summary(summary)
+            logger.close(exit_code=exit_code)
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides = sys.argv[1:] if argv is None else argv
+    world = dist.world_from_env()
+    try:
+        raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
+        check_run_dir(cfg)
+    except ConfigError as err:
+        dist.print0(world, f"error: {err}", file=sys.stderr)
+        return 2
+    summary = run(raw, cfg, world)
+    if world.is_main:
+        print_result(summary)
+    return 0
+
+
+def print_result(summary: dict) -> None:
+    """A short human-readable result line block for the terminal."""
+    mem = summary["memory"]
+    quality = " ".join(f"{k}={summary[k]:.4f}" for k in ("train_loss", "eval_loss", "eval_acc") if k in summary)
+    print(f"done: {summary['steps']} steps, {quality}, "
+          f"{summary['tokens_or_samples_per_s']:.1f} {'tok' if summary.get('eval_token_acc') is not None else 'samples'}/s, "
+          f"params+grads+optim {sum(mem[k] for k in ('params_bytes', 'grads_bytes', 'optim_bytes')) / 2**20:.1f} MiB/rank, "
+          f"comm {summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step -> {summary['run_dir']}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

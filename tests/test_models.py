@@ -1,0 +1,50 @@
+"""Model configs build the stated architectures (on the meta device: no memory)."""
+
+import pytest
+import torch
+
+from sdp.config import typed_config
+from sdp.models import build_model, count_params
+
+# (model option, dataset option, stated parameters, relative tolerance)
+STATED = [
+    ("llama_134m", "synthetic_text", 134_105_856, 0.0),
+    ("llama_500m", "synthetic_text", 522_384_640, 0.0),
+    ("llama_1b", "synthetic_text", 1_339_082_752, 0.0),
+    ("resnet18", "cifar10", 11_173_962, 0.0),  # the CIFAR ResNet-18 at 10 classes
+    ("swin_t", "cifar10", 27_505_108, 0.0),
+]
+
+
+@pytest.mark.parametrize("model,dataset,expected,rtol", STATED)
+def test_parameter_counts_match_stated_sizes(model, dataset, expected, rtol):
+    _, cfg = typed_config([f"model={model}", f"dataset={dataset}"])
+    with torch.device("meta"):
+        n = count_params(build_model(cfg.model))
+    assert n == pytest.approx(expected, rel=rtol)
+
+
+def test_llama_shapes_follow_config():
+    _, cfg = typed_config(["model=llama_tiny", "dataset=synthetic_text"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    layer = model.model.layers[0]
+    assert layer.mlp.gate_proj.weight.shape == (cfg.model.intermediate_size, cfg.model.hidden_size)
+    head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    assert layer.self_attn.k_proj.weight.shape == (cfg.model.num_kv_heads * head_dim, cfg.model.hidden_size)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied, as configured
+
+
+def test_cifar_resnet_keeps_resolution():
+    _, cfg = typed_config(["model=resnet18", "dataset=cifar10"])
+    model = build_model(cfg.model)
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    out = model.layer1(model.conv1(torch.zeros(1, 3, 32, 32)))
+    assert out.shape[-2:] == (32, 32)
+
+
+def test_swin_runs_at_32px():
+    _, cfg = typed_config(["model=swin_tiny", "dataset=cifar100"])
+    model = build_model(cfg.model)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
