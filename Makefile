@@ -41,3 +41,7 @@ test-fast: setup
 
 clean:
 	rm -rf outputs .pytest_cache
+
+lint: setup
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format --check src tests scripts

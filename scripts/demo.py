@@ -24,8 +24,17 @@ VARIANTS = [
 
 
 def launch(overrides: list[str], run_dir: Path) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           "-m", "sdp.train", *overrides, f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        "-m",
+        "sdp.train",
+        *overrides,
+        f"run_dir={run_dir}",
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     start = time.perf_counter()
     rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -36,17 +45,20 @@ def row(label: str, summary: dict, wall_s: float) -> str:
     mem = summary["memory"]
     static_mib = sum(mem[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")) / 2**20
     quality = f"{summary['eval_acc']:.2%} acc" if "eval_acc" in summary else f"{summary['eval_loss']:.3f} loss"
-    unit = "samples/s" if "eval_acc" in summary else "tok/s"
-    return (f"| {label} | {summary['steps']} | {summary['train_loss']:.3f} | {quality} | "
-            f"{summary['tokens_or_samples_per_s']:.0f} {unit} | {static_mib:.1f} | "
-            f"{summary['comm_bytes_per_step'] / 2**20:.2f} | {wall_s:.0f} |")
+    unit = summary["throughput_unit"]
+    return (
+        f"| {label} | {summary['steps']} | {summary['train_loss']:.3f} | {quality} | "
+        f"{summary['tokens_or_samples_per_s']:.0f} {unit} | {static_mib:.1f} | "
+        f"{summary['comm_bytes_per_step'] / 2**20:.2f} | {wall_s:.0f} |"
+    )
 
 
 def main() -> int:
     extra = sys.argv[1:]
     root = Path("outputs") / "demo" / time.strftime("%Y%m%d-%H%M%S")
     lines = [
-        f"| run ({NPROC} CPU processes) | steps | train loss | eval | throughput | params+grads+optim MiB/rank | comm MiB/step | wall s |",
+        f"| run ({NPROC} CPU processes) | steps | train loss | eval | throughput "
+        "| params+grads+optim MiB/rank | comm MiB/step | wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     failed = []

@@ -17,8 +17,16 @@ os.environ.update(OFFLINE_ENV)
 
 def launch(overrides: list[str], *, nproc: int = 2, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node=nproc -m sdp.train overrides` and return the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "sdp.train", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "sdp.train",
+        *overrides,
+    ]
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

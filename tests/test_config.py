@@ -42,7 +42,11 @@ def test_every_option_composes_to_a_typed_config(group, option):
 def test_defaults_are_the_offline_demo():
     raw, cfg = typed_config([])
     assert (cfg.model.name, cfg.dataset.name, cfg.masking.name, cfg.parallelism.name) == (
-        "resnet_tiny", "fashion_mnist", "none", "ddp")
+        "resnet_tiny",
+        "fashion_mnist",
+        "none",
+        "ddp",
+    )
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"
 
 
@@ -92,12 +96,15 @@ def test_hub_access_while_offline():
     assert message.startswith("dataset.") and "HF_HUB_OFFLINE" in message
 
 
-@pytest.mark.parametrize("override,key", [
-    ("optim.schedule=exp", "optim.schedule"),
-    ("optim.lr=-1", "optim.lr"),
-    ("logger.mode=cloud", "logger.mode"),
-    ("trainer.device=tpu", "trainer.device"),
-    ("masking.coverage=0.5", "masking.coverage"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optim.schedule=exp", "optim.schedule"),
+        ("optim.lr=-1", "optim.lr"),
+        ("logger.mode=cloud", "logger.mode"),
+        ("trainer.device=tpu", "trainer.device"),
+        ("masking.coverage=0.5", "masking.coverage"),
+    ],
+)
 def test_bad_values_name_their_key(override, key):
     assert _error(["dataset=synthetic_image", override]).startswith(key)

@@ -5,7 +5,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import launch, read_run
 
 pytestmark = pytest.mark.dist
@@ -32,9 +31,15 @@ FAMILIES = {
 def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     run_dir = tmp_path / "run"
     overrides = FAMILIES[family] + [
-        f"run_dir={run_dir}", "trainer.max_steps=12", "trainer.log_every=3", "trainer.eval_every=0",
-        "trainer.global_batch_size=32", "trainer.progress=false", "dataset.eval_batches=2",
-        "optim.lr=2e-3", "optim.warmup_steps=2",
+        f"run_dir={run_dir}",
+        "trainer.max_steps=12",
+        "trainer.log_every=3",
+        "trainer.eval_every=0",
+        "trainer.global_batch_size=32",
+        "trainer.progress=false",
+        "dataset.eval_batches=2",
+        "optim.lr=2e-3",
+        "optim.warmup_steps=2",
     ]
     if family == "llama":
         overrides += [f"dataset.path={text_dir}", f"dataset.cache_dir={tmp_path / 'cache'}"]
@@ -64,5 +69,7 @@ def test_bad_override_fails_before_any_process_group(tmp_path):
     proc = launch(["model=resnet_tiny", "trainer.global_batch_size=33", f"run_dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: trainer.global_batch_size=33: must be divisible by world_size x grad_accum_steps = 2 x 1 = 2"]
+    assert ours == [
+        "error: trainer.global_batch_size=33: must be divisible by world_size x grad_accum_steps = 2 x 1 = 2"
+    ]
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()

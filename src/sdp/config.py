@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sdp.data import DataConfig, data_vocab_size, validate_data
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, validate_logger
-from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig
+from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, validate_model
 from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.subnet import MaskingConfig, validate_masking
@@ -85,28 +85,50 @@ def check_pairing(cfg: DictConfig) -> None:
         raise ConfigError("model.family", family, f"allowed: {', '.join(FAMILIES)}")
     kind = cfg.dataset.get("kind")
     if FAMILY_KIND[family] != kind:
-        wanted = [o for o in group_options("dataset") if OmegaConf.load(CONF_DIR / "dataset" / f"{o}.yaml").get("kind") == FAMILY_KIND[family]]
-        raise ConfigError("dataset", cfg.dataset.get("name"), f"model={cfg.model.get('name')} needs a {FAMILY_KIND[family]} dataset; allowed: {', '.join(wanted)}")
+        wanted = [
+            o
+            for o in group_options("dataset")
+            if OmegaConf.load(CONF_DIR / "dataset" / f"{o}.yaml").get("kind") == FAMILY_KIND[family]
+        ]
+        raise ConfigError(
+            "dataset",
+            cfg.dataset.get("name"),
+            f"model={cfg.model.get('name')} needs a {FAMILY_KIND[family]} dataset; allowed: {', '.join(wanted)}",
+        )
 
 
 def to_typed(cfg: DictConfig) -> RunConfig:
     """Convert the composed config to `RunConfig`, checking every field's type."""
     family = cfg.model.family
-    sections = {"model": FAMILIES[family], "dataset": DataConfig, "masking": MaskingConfig, "parallelism": ParallelConfig,
-                "optim": OptimConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+    sections = {
+        "model": FAMILIES[family],
+        "dataset": DataConfig,
+        "masking": MaskingConfig,
+        "parallelism": ParallelConfig,
+        "optim": OptimConfig,
+        "trainer": TrainerConfig,
+        "logger": LoggerConfig,
+    }
     typed = {}
     for key, schema in sections.items():
         try:
             merged = OmegaConf.merge(OmegaConf.structured(schema), cfg[key])
             typed[key] = OmegaConf.to_object(merged)
         except OmegaConfBaseException as err:
-            raise ConfigError(f"{key}.{getattr(err, 'key', None) or '?'}", getattr(err, "value", None), f"invalid: {str(err).splitlines()[0]}") from None
+            field_name = getattr(err, "key", None) or "?"
+            value = getattr(err, "value", None)
+            if value is None and field_name in cfg[key]:
+                value = cfg[key][field_name]
+            raise ConfigError(f"{key}.{field_name}", value, f"invalid: {str(err).splitlines()[0]}") from None
     top = {k: cfg.get(k) for k in ("seed", "name", "run_dir", "output_root")}
     return RunConfig(**typed, **top)
 
 
 def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
     """Every check that can run before the process group starts."""
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+        raise ConfigError("seed", cfg.seed, "must be an integer")
+    validate_model(cfg.model)
     validate_masking(cfg.masking)
     validate_parallel(cfg.parallelism)
     validate_optim(cfg.optim)
@@ -115,10 +137,20 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
     validate_data(cfg.dataset, offline=offline)
     if isinstance(cfg.model, LlamaConfig):
         if cfg.dataset.seq_len > cfg.model.max_seq_len:
-            raise ConfigError("dataset.seq_len", cfg.dataset.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len} (the model's positions)")
+            raise ConfigError(
+                "dataset.seq_len",
+                cfg.dataset.seq_len,
+                f"must be <= model.max_seq_len={cfg.model.max_seq_len} (the model's positions)",
+            )
         vocab = data_vocab_size(cfg.dataset)
         if vocab is not None and vocab > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {vocab} ids (dataset.tokenizer)")
+            raise ConfigError(
+                "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {vocab} ids (dataset.tokenizer)"
+            )
+    if isinstance(cfg.model, SwinConfig) and cfg.model.img_size != cfg.dataset.image_size:
+        raise ConfigError(
+            "model.img_size", cfg.model.img_size, f"must equal dataset.image_size={cfg.dataset.image_size}"
+        )
 
 
 def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
@@ -128,7 +160,9 @@ def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
     try:
         OmegaConf.resolve(raw)
     except OmegaConfBaseException as err:
-        raise ConfigError(str(getattr(err, "full_key", "?")), None, f"cannot be resolved: {str(err).splitlines()[0]}") from None
+        raise ConfigError(
+            str(getattr(err, "full_key", "?")), None, f"cannot be resolved: {str(err).splitlines()[0]}"
+        ) from None
     return raw, to_typed(raw)
 
 

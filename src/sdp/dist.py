@@ -38,7 +38,9 @@ def world_from_env() -> World:
 
 def hub_offline() -> bool:
     """True when the user asked the Hugging Face libraries not to touch the network."""
-    return any(os.environ.get(k, "0").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(k, "0").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def select_device(preference: str, world: World) -> torch.device:

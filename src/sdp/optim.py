@@ -43,9 +43,7 @@ def validate_optim(cfg: OptimConfig) -> None:
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Build the optimizer over `params` (only the tensors this rank trains)."""
     if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
     )
@@ -64,6 +62,4 @@ def lr_factor(step: int, *, cfg: OptimConfig, max_steps: int) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, cfg=cfg, max_steps=max_steps)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg=cfg, max_steps=max_steps))

@@ -32,7 +32,12 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     """The run dir, decided by rank 0 only (a timestamp differs between processes)."""
     if cfg.run_dir:
         return Path(cfg.run_dir)
-    return Path(cfg.output_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_name(cfg)}"
+    base = Path(cfg.output_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_name(cfg)}"
+    candidate, n = base, 0
+    while candidate.exists():  # two runs started in the same second
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -84,15 +89,36 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
             "masking": cfg.masking.name,
             "parallelism": cfg.parallelism.name,
             "device": device.type,
+            "throughput_unit": "tokens/s" if data.kind == "text" else "samples/s",
             "seed": cfg.seed,
         }
-        logger = RunLogger(cfg.logger, run_dir=run_dir, run_name=run_name(cfg), active=world.is_main,
-                           config=OmegaConf.to_container(raw, resolve=True))
-        dist.print0(world, f"run dir: {run_dir}  ({cfg.model.name}: {n_params / 1e6:.2f}M params, "
-                           f"{world.world_size} x {micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})")
+        logger = RunLogger(
+            cfg.logger,
+            run_dir=run_dir,
+            run_name=run_name(cfg),
+            active=world.is_main,
+            config=OmegaConf.to_container(raw, resolve=True),
+        )
+        dist.print0(
+            world,
+            f"run dir: {run_dir}  ({cfg.model.name}: {n_params / 1e6:.2f}M params, "
+            f"{world.world_size} x {micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
+        )
         units = cfg.dataset.seq_len if data.kind == "text" else 1
-        summary.update(train(model=model, data=data, optimizer=optimizer, scheduler=scheduler, cfg=cfg.trainer,
-                             world=world, device=device, comm=comm, logger=logger, units_per_sample=units))
+        summary.update(
+            train(
+                model=model,
+                data=data,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                cfg=cfg.trainer,
+                world=world,
+                device=device,
+                comm=comm,
+                logger=logger,
+                units_per_sample=units,
+            )
+        )
         summary["status"] = "completed"
         exit_code = 0
         return summary
@@ -127,11 +153,15 @@ def main(argv: list[str] | None = None) -> int:
 def print_result(summary: dict) -> None:
     """A short human-readable result line block for the terminal."""
     mem = summary["memory"]
+    static_mib = sum(mem[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")) / 2**20
     quality = " ".join(f"{k}={summary[k]:.4f}" for k in ("train_loss", "eval_loss", "eval_acc") if k in summary)
-    print(f"done: {summary['steps']} steps, {quality}, "
-          f"{summary['tokens_or_samples_per_s']:.1f} {'tok' if summary.get('eval_token_acc') is not None else 'samples'}/s, "
-          f"params+grads+optim {sum(mem[k] for k in ('params_bytes', 'grads_bytes', 'optim_bytes')) / 2**20:.1f} MiB/rank, "
-          f"comm {summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step -> {summary['run_dir']}", flush=True)
+    print(
+        f"done: {summary['steps']} steps, {quality}, "
+        f"{summary['tokens_or_samples_per_s']:.1f} {summary['throughput_unit']}, "
+        f"params+grads+optim {static_mib:.1f} MiB/rank, "
+        f"comm {summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step -> {summary['run_dir']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

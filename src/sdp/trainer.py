@@ -143,6 +143,7 @@ def train(
             window_loss += loss.detach() / cfg.grad_accum_steps
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         scheduler.step()
         comm.end_step()
@@ -159,7 +160,7 @@ def train(
             last = {
                 "step": step,
                 "train_loss": mean_loss,
-                "lr": scheduler.get_last_lr()[0],
+                "lr": lr,
                 "tokens_or_samples_per_s": units_per_step * step / train_time,
                 "step_time_s": train_time / step,
             }
@@ -188,8 +189,10 @@ def train(
 def _max_over_ranks(memory: dict, *, peak: int | None, device: torch.device) -> dict:
     """The largest rank's bytes for each counter: what the biggest device must hold."""
     keys = sorted(memory)
-    values = torch.tensor([memory[k] for k in keys] + [-1 if peak is None else peak], dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [memory[k] for k in keys] + [-1 if peak is None else peak], dtype=torch.float64, device=device
+    )
     dist.all_reduce_(values, op="max")
-    out = {k: int(v) for k, v in zip(keys, values.tolist())}
+    out = {k: int(v) for k, v in zip(keys, values.tolist(), strict=False)}
     out["peak_bytes"] = None if values[-1] < 0 else int(values[-1])
     return out

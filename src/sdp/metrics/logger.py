@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,12 +69,12 @@ class RunLogger:
                 mode=cfg.mode,
                 dir=str(self.run_dir),
                 config=config,
+                settings=wandb.Settings(quiet=True),
             )
         except Exception as err:  # noqa: BLE001 - W&B must never stop a run
             self._wandb_failed("start", err)
 
     def _wandb_failed(self, what: str, err: Exception) -> None:
-        warnings.warn(f"W&B {what} failed ({type(err).__name__}: {err}); continuing with local metrics only")
         print(f"warning: W&B {what} failed, logging to metrics.jsonl only: {err}", file=sys.stderr, flush=True)
         self._wandb_run = None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from sdp.errors import ConfigError
@@ -71,6 +70,23 @@ ModelConfig = LlamaConfig | ResNetConfig | SwinConfig
 FAMILIES: dict[str, type] = {"llama": LlamaConfig, "resnet": ResNetConfig, "swin": SwinConfig}
 # Which dataset kind each family consumes.
 FAMILY_KIND = {"llama": "text", "resnet": "image", "swin": "image"}
+
+
+def validate_model(cfg: ModelConfig) -> None:
+    """Shape constraints the upstream constructors would otherwise fail on deep inside."""
+    if isinstance(cfg, LlamaConfig):
+        if cfg.hidden_size % cfg.num_heads:
+            raise ConfigError("model.num_heads", cfg.num_heads, f"must divide model.hidden_size={cfg.hidden_size}")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ConfigError("model.num_kv_heads", cfg.num_kv_heads, f"must divide model.num_heads={cfg.num_heads}")
+    elif isinstance(cfg, ResNetConfig):
+        if len(cfg.layers) != 4 or min(cfg.layers) < 1:
+            raise ConfigError("model.layers", cfg.layers, "four stages of >= 1 BasicBlock each, e.g. [2, 2, 2, 2]")
+    elif isinstance(cfg, SwinConfig):
+        if len(cfg.depths) != len(cfg.num_heads):
+            raise ConfigError("model.num_heads", cfg.num_heads, f"one entry per stage of model.depths={cfg.depths}")
+        if cfg.img_size % cfg.patch_size:
+            raise ConfigError("model.patch_size", cfg.patch_size, f"must divide model.img_size={cfg.img_size}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
