@@ -102,7 +102,7 @@ def test_bad_values_raise_config_error(changes, key):
 
 def test_batch_larger_than_shard_raises_config_error():
     cfg = DataConfig(name="synthetic_text", kind="text", num_samples=10)
-    with pytest.raises(ConfigError, match=r"^batch_size=8: must be <= 5"):
+    with pytest.raises(ConfigError, match=r"^trainer.global_batch_size='8 per rank': must be <= 5"):
         build(cfg, world_size=2, batch_size=8)
 
 
