@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -123,7 +124,14 @@ def train(
     """
     micro = micro_batch_size(cfg, world_size=world.world_size)
     units_per_step = cfg.global_batch_size * units_per_sample
-    bar = tqdm(total=cfg.max_steps, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
+    # Redraw at most every 30 s when stderr is a log file rather than a terminal.
+    bar = tqdm(
+        total=cfg.max_steps,
+        disable=not (cfg.progress and world.is_main),
+        desc="train",
+        dynamic_ncols=True,
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,
+    )
     model.train()
     train_time, window_loss, window_steps = 0.0, torch.zeros((), device=device), 0
     memory, last = None, {}
