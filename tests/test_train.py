@@ -73,3 +73,14 @@ def test_bad_override_fails_before_any_process_group(tmp_path):
         "error: trainer.global_batch_size=33: must be divisible by world_size x grad_accum_steps = 2 x 1 = 2"
     ]
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_failure_after_launch_is_recorded_in_the_summary(tmp_path):
+    # A shard too small for one batch is only known once the data is built on each rank.
+    run_dir = tmp_path / "run"
+    overrides = ["model=resnet_tiny", "dataset=synthetic_image", "dataset.num_samples=16", "logger=none"]
+    proc = launch(overrides + ["trainer.global_batch_size=32", f"run_dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode != 0
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith("ConfigError: trainer.global_batch_size='16 per rank': must be <= 8")

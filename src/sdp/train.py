@@ -47,17 +47,36 @@ def check_run_dir(cfg: RunConfig) -> None:
 
 
 def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
+    """Train one configured run on this rank; rank 0 writes the run dir."""
     device = dist.select_device(cfg.trainer.device, world)
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend)
     logger = None
-    exit_code = 1
-    summary: dict = {}
+    summary = {
+        "status": "running",
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "world_size": world.world_size,
+        "coverage": cfg.masking.coverage,
+        "masking": cfg.masking.name,
+        "parallelism": cfg.parallelism.name,
+        "device": device.type,
+        "seed": cfg.seed,
+    }
     try:
         run_dir = Path(dist.broadcast_object(str(choose_run_dir(cfg)) if world.is_main else None))
+        summary["run_dir"] = str(run_dir)
         if world.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+        logger = RunLogger(
+            cfg.logger,
+            run_dir=run_dir,
+            run_name=run_name(cfg),
+            active=world.is_main,
+            config=OmegaConf.to_container(raw, resolve=True),
+        )
+        if world.is_main:
             prepare_data(cfg.dataset)
         dist.barrier()
 
@@ -72,39 +91,17 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg.model).to(device)
-        n_params = count_params(model)
+        summary["n_params"] = count_params(model)
         comm = CommCounter()
         model = apply_parallelism(model, cfg.parallelism, device=device, comm=comm)
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
-
-        summary = {
-            "status": "running",
-            "run_dir": str(run_dir),
-            "model": cfg.model.name,
-            "dataset": cfg.dataset.name,
-            "n_params": n_params,
-            "world_size": world.world_size,
-            "coverage": cfg.masking.coverage,
-            "masking": cfg.masking.name,
-            "parallelism": cfg.parallelism.name,
-            "device": device.type,
-            "throughput_unit": "tokens/s" if data.kind == "text" else "samples/s",
-            "seed": cfg.seed,
-        }
-        logger = RunLogger(
-            cfg.logger,
-            run_dir=run_dir,
-            run_name=run_name(cfg),
-            active=world.is_main,
-            config=OmegaConf.to_container(raw, resolve=True),
-        )
+        summary["throughput_unit"] = "tokens/s" if data.kind == "text" else "samples/s"
         dist.print0(
             world,
-            f"run dir: {run_dir}  ({cfg.model.name}: {n_params / 1e6:.2f}M params, "
+            f"run dir: {run_dir}  ({cfg.model.name}: {summary['n_params'] / 1e6:.2f}M params, "
             f"{world.world_size} x {micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
         )
-        units = cfg.dataset.seq_len if data.kind == "text" else 1
         summary.update(
             train(
                 model=model,
@@ -116,14 +113,13 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
                 device=device,
                 comm=comm,
                 logger=logger,
-                units_per_sample=units,
+                units_per_sample=cfg.dataset.seq_len if data.kind == "text" else 1,
             )
         )
         summary["status"] = "completed"
-        exit_code = 0
         return summary
     except KeyboardInterrupt:
-        summary.update(status="interrupted")
+        summary["status"] = "interrupted"
         raise
     except Exception as err:
         summary.update(status="failed", error=f"{type(err).__name__}: {err}")
@@ -131,7 +127,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
     finally:
         if logger is not None:
             logger.summary(summary)
-            logger.close(exit_code=exit_code)
+            logger.close(exit_code=0 if summary["status"] == "completed" else 1)
         dist.destroy_process_group()
 
 
