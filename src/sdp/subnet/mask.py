@@ -1,0 +1,162 @@
+"""Masks: which worker holds which unit.
+
+The mask is a pure function of (unit spec sizes, K, coverage, construction,
+seed): every rank computes the same mask without communication.
+
+Balanced cyclic construction (see ../shared/ARCHITECTURE.md): the units of
+every group are split into K chunks; worker k holds chunks k, k+1, ...,
+k+r-1 (mod K) with r = round(C*K) >= 1, so every chunk has exactly r holders
+and every worker holds r of the K chunks of every group. Chunk boundaries are
+rotated from group to group, so the one-unit differences between chunk sizes
+average out over the depth; for block units (one unit per group) the rotation
+puts block l in chunk l mod K, interleaving every worker's blocks through the
+whole depth.
+
+The random construction draws, for every (group, chunk), r distinct holders
+uniformly at random: still r holders per unit, but loads vary by worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sdp.errors import ConfigError
+
+CONSTRUCTIONS = ("cyclic", "random")
+
+
+def holders_per_unit(coverage: float, num_workers: int) -> int:
+    """r = round(C*K): how many workers hold each unit; errors when no valid r exists."""
+    if not 0.0 < coverage <= 1.0:
+        raise ConfigError("masking.coverage", coverage, "must be in (0, 1]")
+    r = int(np.floor(coverage * num_workers + 0.5))
+    if r < 1:
+        raise ConfigError(
+            "masking.coverage",
+            coverage,
+            f"gives round(C*K) = round({coverage}*{num_workers}) = 0 holders per unit; "
+            f"needs coverage >= {0.5 / num_workers:.3g} with K={num_workers} workers, or more workers",
+        )
+    return r
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Holder sets of every unit: `chunk_of[g][u]` is unit u's chunk in group g, and
+    `chunk_holders[g][c]` the sorted workers holding chunk c of group g."""
+
+    num_workers: int
+    holders: int  # r
+    chunk_of: tuple[np.ndarray, ...]
+    chunk_holders: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def held_units(self, worker: int, group: int) -> np.ndarray:
+        """Sorted unit indices of `group` held by `worker`."""
+        held_chunks = [c for c, hs in enumerate(self.chunk_holders[group]) if worker in hs]
+        return np.flatnonzero(np.isin(self.chunk_of[group], held_chunks))
+
+    def unit_holders(self, group: int) -> list[tuple[int, ...]]:
+        """Holder set of every unit of `group`."""
+        return [self.chunk_holders[group][c] for c in self.chunk_of[group]]
+
+    def holder_sets(self) -> list[tuple[int, ...]]:
+        """Distinct holder sets in a deterministic order (for process groups, created once)."""
+        return sorted({hs for per_group in self.chunk_holders for hs in per_group}, key=lambda s: (len(s), s))
+
+    def matrix(self) -> np.ndarray:
+        """M[k, u] in {0, 1} for K workers x all units (groups concatenated)."""
+        cols = []
+        for g, chunks in enumerate(self.chunk_of):
+            member = np.zeros((self.num_workers, len(self.chunk_holders[g])), dtype=np.int8)
+            for c, hs in enumerate(self.chunk_holders[g]):
+                member[list(hs), c] = 1
+            cols.append(member[:, chunks])
+        return np.concatenate(cols, axis=1)
+
+
+def chunk_ids(num_units: int, num_workers: int, *, rotation: int) -> np.ndarray:
+    """Chunk of each unit: K near-equal contiguous chunks, shifted by `rotation`."""
+    return (np.arange(num_units) * num_workers // num_units + rotation) % num_workers
+
+
+def rotations(group_kinds: list[str]) -> list[int]:
+    """Each group's chunk rotation: its index among the groups of the same kind.
+
+    Rotating per kind (FFN of layer l, heads of layer l, ...) spreads each
+    kind's larger chunks over the workers, whatever the order kinds come in.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for kind in group_kinds:
+        out.append(seen.get(kind, 0))
+        seen[kind] = out[-1] + 1
+    return out
+
+
+def build_mask(
+    group_sizes: list[int],
+    *,
+    num_workers: int,
+    coverage: float,
+    construction: str = "cyclic",
+    seed: int = 0,
+    group_kinds: list[str] | None = None,
+) -> Mask:
+    """The mask for units in groups of `group_sizes` over `num_workers` workers.
+
+    `group_kinds` (default: all one kind) sets the chunk rotation of each group.
+    """
+    if construction not in CONSTRUCTIONS:
+        raise ConfigError("masking.construction", construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
+    k = num_workers
+    r = holders_per_unit(coverage, k)
+    rot = rotations(group_kinds or ["unit"] * len(group_sizes))
+    chunk_of = tuple(chunk_ids(n, k, rotation=rot[g]) for g, n in enumerate(group_sizes))
+    if construction == "cyclic":
+        # Worker w holds chunks w..w+r-1, so chunk c is held by workers c-r+1..c.
+        cyclic = tuple(tuple(sorted((c - i) % k for i in range(r))) for c in range(k))
+        chunk_holders = tuple(cyclic for _ in group_sizes)
+    else:
+        rng = np.random.default_rng(seed)
+        chunk_holders = tuple(
+            tuple(tuple(sorted(rng.choice(k, size=r, replace=False).tolist())) for _ in range(k)) for _ in group_sizes
+        )
+    return Mask(num_workers=k, holders=r, chunk_of=chunk_of, chunk_holders=chunk_holders)
+
+
+def mask_stats(mask: Mask, unit_numels: list[int]) -> dict:
+    """What a run reports about its mask: coverage per worker (by parameters),
+    holders per unit, and the spectral gap of the worker co-ownership graph.
+
+    `unit_numels[g]` is the size of one unit of group g. The co-ownership
+    matrix O[k, k'] counts the unit parameters workers k and k' both hold; with
+    W = D^-1/2 O D^-1/2 (D the row sums), rho = 1 - lambda_2(W) is 0 when the
+    workers split into groups that never average together and 1 when every
+    worker holds everything. This is our reading of the constant in the
+    paper's bound (the exact definition is not available here).
+    """
+    m = mask.matrix().astype(np.float64)
+    weights = np.concatenate(
+        [np.full(len(c), w, dtype=np.float64) for c, w in zip(mask.chunk_of, unit_numels, strict=True)]
+    )
+    per_worker = m @ weights / weights.sum()
+    co = (m * weights) @ m.T
+    d = co.sum(axis=1)
+    if np.any(d == 0):
+        rho = 0.0
+    else:
+        norm = co / np.sqrt(np.outer(d, d))
+        eig = np.sort(np.linalg.eigvalsh(norm))[::-1]
+        rho = float(1.0 - eig[1]) if len(eig) > 1 else 1.0
+    holders = m.sum(axis=0)
+    return {
+        "holders_per_unit": mask.holders,
+        "holders_min": int(holders.min()),
+        "holders_max": int(holders.max()),
+        "coverage_target": mask.holders / mask.num_workers,
+        "coverage_per_worker": [round(float(c), 6) for c in per_worker],
+        "spectral_gap": round(rho, 6),
+        "holder_sets": len(mask.holder_sets()),
+    }

@@ -1,0 +1,81 @@
+"""Masks: r holders per unit, balanced loads, determinism, spectral gap, errors."""
+
+import numpy as np
+import pytest
+
+from sdp.errors import ConfigError
+from sdp.subnet.mask import build_mask, holders_per_unit, mask_stats
+
+SIZES = [344, 2, 344, 2, 1, 1, 1, 1]
+KINDS = ["ffn", "heads", "ffn", "heads", "block", "block", "block", "block"]
+
+
+@pytest.mark.parametrize(
+    "k,coverage,r", [(4, 0.25, 1), (4, 0.5, 2), (4, 0.75, 3), (4, 1.0, 4), (8, 0.5, 4), (3, 0.5, 2)]
+)
+def test_cyclic_mask_has_r_holders_and_equal_loads(k, coverage, r):
+    mask = build_mask(SIZES, num_workers=k, coverage=coverage, group_kinds=KINDS)
+    m = mask.matrix()
+    assert m.shape == (k, sum(SIZES))
+    assert (m.sum(axis=0) == r).all()
+    # Each worker holds r of the K chunks of every group.
+    for g in range(len(SIZES)):
+        held = [len(mask.held_units(w, g)) for w in range(k)]
+        assert sum(held) == r * SIZES[g]
+        assert max(held) - min(held) <= r
+    ffn = [sum(len(mask.held_units(w, g)) for g in (0, 2)) for w in range(k)]
+    assert max(ffn) - min(ffn) <= r  # rotation spreads the larger chunks
+
+
+def test_mask_is_a_pure_function_of_its_inputs():
+    a = build_mask(SIZES, num_workers=4, coverage=0.5, construction="random", seed=3, group_kinds=KINDS)
+    b = build_mask(SIZES, num_workers=4, coverage=0.5, construction="random", seed=3, group_kinds=KINDS)
+    c = build_mask(SIZES, num_workers=4, coverage=0.5, construction="random", seed=4, group_kinds=KINDS)
+    assert np.array_equal(a.matrix(), b.matrix())
+    assert not np.array_equal(a.matrix(), c.matrix())
+    assert (a.matrix().sum(axis=0) == 2).all()
+
+
+def test_blocks_interleave_through_depth():
+    mask = build_mask([1] * 8, num_workers=4, coverage=0.25)
+    assert [mask.held_units(0, g).size for g in range(8)] == [1, 0, 0, 0, 1, 0, 0, 0]
+    assert mask.unit_holders(5) == [(1,)]
+
+
+def test_full_coverage_is_one_holder_set():
+    mask = build_mask(SIZES, num_workers=4, coverage=1.0, group_kinds=KINDS)
+    assert mask.holder_sets() == [(0, 1, 2, 3)]
+    assert mask_stats(mask, [1] * len(SIZES))["spectral_gap"] == pytest.approx(1.0)
+
+
+def test_spectral_gap_orders_the_overlaps():
+    gaps = [
+        mask_stats(build_mask([64] * 4, num_workers=4, coverage=c), [1] * 4)["spectral_gap"] for c in (0.25, 0.5, 0.75)
+    ]
+    assert gaps[0] == pytest.approx(0.0)  # r = 1: workers never average together
+    assert 0 < gaps[1] < gaps[2] < 1
+
+
+def test_stats_report_coverage_per_worker():
+    stats = mask_stats(build_mask(SIZES, num_workers=4, coverage=0.5, group_kinds=KINDS), [3, 100, 3, 100, 7, 7, 7, 7])
+    assert stats["holders_min"] == stats["holders_max"] == 2
+    assert stats["coverage_per_worker"] == pytest.approx([0.5] * 4, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    "coverage,k,fragment",
+    [
+        (0.0, 4, "must be in (0, 1]"),
+        (1.5, 4, "must be in (0, 1]"),
+        (0.1, 4, "needs coverage >= 0.125"),
+    ],
+)
+def test_impossible_requests_are_refused(coverage, k, fragment):
+    with pytest.raises(ConfigError, match="masking.coverage") as info:
+        holders_per_unit(coverage, k)
+    assert fragment in str(info.value)
+
+
+def test_unknown_construction():
+    with pytest.raises(ConfigError, match="masking.construction='striped': allowed: cyclic, random"):
+        build_mask([4], num_workers=2, coverage=0.5, construction="striped")
