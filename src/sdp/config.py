@@ -130,6 +130,10 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
         raise ConfigError("seed", cfg.seed, "must be an integer")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
+    if cfg.masking.name != "none":
+        from sdp.subnet.strategy import validate_plan
+
+        validate_plan(cfg.model, cfg.masking, world_size=world_size)
     validate_parallel(cfg.parallelism)
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)

@@ -18,9 +18,10 @@ from sdp.data import build_data, prepare_data
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
-from sdp.models import build_model, count_params
+from sdp.models import build_model
 from sdp.optim import build_optimizer, build_scheduler
-from sdp.parallel import apply_parallelism
+from sdp.parallel import DDPStrategy, Strategy
+from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import micro_batch_size, train
 
 
@@ -44,6 +45,29 @@ def check_run_dir(cfg: RunConfig) -> None:
     """Refuse to write into a finished or running run: nothing written so far is lost."""
     if cfg.run_dir and (Path(cfg.run_dir) / "metrics.jsonl").exists():
         raise ConfigError("run_dir", cfg.run_dir, "already holds a run (metrics.jsonl); choose a new run_dir")
+
+
+def build_strategy(cfg: RunConfig, *, world: dist.World, device: torch.device, comm: CommCounter) -> Strategy:
+    """The full model, initialised alike on every rank, under DDP or SDP."""
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    if cfg.masking.name == "none":
+        return DDPStrategy(build_model(cfg.model).to(device), cfg.parallelism, device=device, comm=comm)
+
+    def make_plain() -> torch.nn.Module:
+        with torch.device(device):
+            return build_model(cfg.model)
+
+    return SDPStrategy(
+        build_model(cfg.model),
+        cfg.masking,
+        family=cfg.model.family,
+        rank=world.rank,
+        world_size=world.world_size,
+        device=device,
+        comm=comm,
+        bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
+        make_plain=make_plain,
+    )
 
 
 def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
@@ -89,12 +113,11 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
             eval_batch_size=cfg.trainer.eval_batch_size or micro,
             seed=cfg.seed,
         )
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = build_model(cfg.model).to(device)
-        summary["n_params"] = count_params(model)
         comm = CommCounter()
-        model = apply_parallelism(model, cfg.parallelism, device=device, comm=comm)
-        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
+        strategy = build_strategy(cfg, world=world, device=device, comm=comm)
+        summary["n_params"] = strategy.full_params
+        summary.update(strategy.describe())
+        optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
         summary["throughput_unit"] = "tokens/s" if data.kind == "text" else "samples/s"
         dist.print0(
@@ -104,7 +127,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
         )
         summary.update(
             train(
-                model=model,
+                strategy=strategy,
                 data=data,
                 optimizer=optimizer,
                 scheduler=scheduler,

@@ -17,8 +17,8 @@ from sdp.data import DataBundle
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
-from sdp.metrics.memory import peak_bytes, static_bytes
-from sdp.parallel import broadcast_buffers, unwrap
+from sdp.metrics.memory import peak_bytes
+from sdp.parallel import Strategy
 
 
 @dataclass
@@ -76,22 +76,18 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataBundle, *, device: torch.device) -> dict:
-    """Loss (and accuracy for classifiers) over every rank's eval shard, on the full model."""
-    broadcast_buffers(model)
-    plain = unwrap(model)
-    was_training = plain.training
-    plain.eval()
+def evaluate(strategy: Strategy, data: DataBundle, *, device: torch.device) -> dict:
+    """Loss (and accuracy) over every rank's eval shard, on the full model (assembled under SDP)."""
     # [sum of per-target losses, number of targets, correct predictions]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for batch in data.make_eval():
-        batch = _to_device(batch, device)
-        loss, logits = forward_loss(plain, batch)
-        n = batch["targets"].numel()
-        totals[0] += loss.double() * n
-        totals[1] += n
-        totals[2] += (logits.argmax(-1) == batch["targets"]).sum()
-    plain.train(was_training)
+    with strategy.eval_model() as full:
+        for batch in data.make_eval():
+            batch = _to_device(batch, device)
+            loss, logits = forward_loss(full, batch)
+            n = batch["targets"].numel()
+            totals[0] += loss.double() * n
+            totals[1] += n
+            totals[2] += (logits.argmax(-1) == batch["targets"]).sum()
     dist.all_reduce_(totals)
     loss_sum, count, correct = totals.tolist()
     if count == 0:
@@ -106,7 +102,7 @@ def evaluate(model: nn.Module, data: DataBundle, *, device: torch.device) -> dic
 
 def train(
     *,
-    model: nn.Module,
+    strategy: Strategy,
     data: DataBundle,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -132,6 +128,7 @@ def train(
         dynamic_ncols=True,
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
+    model = strategy.model
     model.train()
     train_time, window_loss, window_steps = 0.0, torch.zeros((), device=device), 0
     memory, last = None, {}
@@ -144,15 +141,16 @@ def train(
             if batch["targets"].shape[0] != micro:
                 raise RuntimeError(f"data yielded a batch of {batch['targets'].shape[0]}, expected {micro}")
             last_micro = i == cfg.grad_accum_steps - 1
-            sync = contextlib.nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
+            with contextlib.nullcontext() if last_micro else strategy.no_sync():
                 loss, _ = forward_loss(model, batch)
                 (loss / cfg.grad_accum_steps).backward()
             window_loss += loss.detach() / cfg.grad_accum_steps
+        strategy.after_backward()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            strategy.clip_grad_norm_(cfg.grad_clip)
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
+        strategy.after_step()
         scheduler.step()
         comm.end_step()
         if device.type == "cuda":
@@ -160,7 +158,7 @@ def train(
         train_time += time.perf_counter() - t0
         window_steps += 1
         if memory is None:  # gradients and optimizer state exist from the first step on
-            memory = static_bytes(unwrap(model), optimizer)
+            memory = strategy.memory(optimizer)
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -177,7 +175,7 @@ def train(
             window_loss.zero_()
             window_steps = 0
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            evals = evaluate(model, data, device=device)
+            evals = evaluate(strategy, data, device=device)
             logger.log({"step": step, **evals})
             if world.is_main:
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))

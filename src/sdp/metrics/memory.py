@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 def _nbytes(tensors) -> int:
@@ -21,13 +20,17 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def static_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Parameters, gradients and optimizer state held by this rank, in bytes."""
-    params = list(model.parameters())
+def static_bytes(weights, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Weights, gradients and optimizer state held by this rank, in bytes.
+
+    `weights` are all tensors holding model weights on this rank (parameters
+    and any weight storage that is not a Parameter); views of one storage count once.
+    """
+    params = list(weights)
     state = [v for s in optimizer.state.values() for v in s.values()]
     return {
         "params_bytes": _nbytes(params),
-        "grads_bytes": _nbytes(p.grad for p in params),
+        "grads_bytes": _nbytes(getattr(p, "grad", None) for p in params),
         "optim_bytes": _nbytes(state),
     }
 

@@ -1,7 +1,15 @@
-"""Data parallelism applied from outside the model (DDP for now)."""
+"""Data parallelism applied from outside the model.
+
+The trainer talks to a `Strategy`: DDP (the baseline, `masking=none`) or SDP
+(`sdp.subnet.SDPStrategy`). A strategy owns the model the trainer runs, the
+tensors the optimizer updates, gradient synchronisation, clipping by the
+global norm, what happens after an optimizer step, the full model used for
+evaluation, and the per-rank byte counts.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.memory import static_bytes
 
 PARALLELISMS = ("ddp",)
 
@@ -31,6 +40,45 @@ def validate_parallel(cfg: ParallelConfig) -> None:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
 
 
+class Strategy:
+    """What the training loop needs from a data-parallel scheme."""
+
+    model: nn.Module  # run forward/backward on this
+
+    def trainable(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def no_sync(self):
+        """Context for micro-batches before the last one of a step (no gradient sync)."""
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """Called once per step after the last micro-batch's backward."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """Called after every optimizer step."""
+
+    @contextlib.contextmanager
+    def eval_model(self):
+        """The full plain model, current on every rank, in eval mode."""
+        raise NotImplementedError
+        yield
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the plain model by its plain name, current on every rank (collective)."""
+        raise NotImplementedError
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Extra entries for summary.json."""
+        return {}
+
+
 def _counting_allreduce_hook(counter, bucket):
     """DDP's default mean all-reduce, with the bucket's bytes counted as gradient sync.
 
@@ -44,27 +92,43 @@ def _counting_allreduce_hook(counter, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_parallelism(model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter) -> nn.Module:
-    """Wrap the plain model for data-parallel training; its gradients are counted into `comm`."""
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-    )
-    ddp.register_comm_hook(comm, _counting_allreduce_hook)
-    return ddp
+class DDPStrategy(Strategy):
+    """torch DistributedDataParallel over all ranks: every rank holds and trains everything."""
 
+    def __init__(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter):
+        self.plain = model
+        self.full_params = sum(p.numel() for p in model.parameters())
+        self.model = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+        )
+        self.model.register_comm_hook(comm, _counting_allreduce_hook)
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside any wrapper."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.plain.parameters() if p.requires_grad]
 
+    def no_sync(self):
+        return self.model.no_sync()
 
-def broadcast_buffers(model: nn.Module, *, src: int = 0) -> None:
-    """Make buffers (BatchNorm running stats) equal to rank `src`'s, as DDP does before each forward.
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.plain.parameters(), max_norm)
 
-    After the last training step each rank's buffers carry its own last batch;
-    evaluation and checkpoints use rank 0's, like the next DDP forward would.
-    """
-    for buf in unwrap(model).buffers():
-        dist.broadcast(buf, src=src)
+    @contextlib.contextmanager
+    def eval_model(self):
+        # After the last step each rank's BatchNorm statistics carry its own last
+        # batch; use rank 0's, as DDP's next forward would.
+        for buf in self.plain.buffers():
+            dist.broadcast(buf, src=0)
+        was_training = self.plain.training
+        self.plain.eval()
+        try:
+            yield self.plain
+        finally:
+            self.plain.train(was_training)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.plain.named_parameters())
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return static_bytes(self.plain.parameters(), optimizer)

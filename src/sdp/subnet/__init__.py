@@ -1,7 +1,9 @@
-"""Subnetwork Data Parallelism: units, masks, apply, holder-group sync.
+"""Subnetwork Data Parallelism (arXiv 2507.09029): units -> mask -> apply -> sync -> assemble.
 
-Only `masking=none` (every worker holds every unit, i.e. plain data
-parallelism) exists so far.
+`masking=none` is plain DDP. `masking=backward` and `masking=forward` give each
+worker a structured subnetwork at `granularity` neuron or block, holding a
+fraction `coverage` of the units; a unit's gradient is averaged among its
+holders only.
 """
 
 from __future__ import annotations
@@ -9,20 +11,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sdp.errors import ConfigError
+from sdp.subnet.mask import CONSTRUCTIONS
+from sdp.subnet.units import GRANULARITIES
 
-MASKINGS = ("none",)
+MASKINGS = ("none", "backward", "forward")
+SCALES = ("auto", "inverse_coverage", "none")
 
 
 @dataclass
 class MaskingConfig:
-    name: str = "none"
+    name: str = "none"  # none | backward | forward
+    granularity: str = "neuron"  # neuron | block
     coverage: float = 1.0  # fraction of units each worker holds
+    construction: str = "cyclic"  # cyclic | random
+    seed: int = 0  # the mask's seed (random construction), the same on every rank
+    # Forward masking's train-time rescaling of a site's output: inverse_coverage
+    # multiplies by (units at the site / units held), like inverted dropout;
+    # auto = inverse_coverage for neurons, none for blocks (stochastic depth
+    # without rescaling, as the full model is used at evaluation).
+    scale: str = "auto"
 
 
 def validate_masking(cfg: MaskingConfig) -> None:
+    """Checks on the masking values alone (the mask itself is checked against the model before launch)."""
     if cfg.name not in MASKINGS:
         raise ConfigError("masking.name", cfg.name, f"allowed: {', '.join(MASKINGS)}")
     if not 0.0 < cfg.coverage <= 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "must be in (0, 1]")
     if cfg.name == "none" and cfg.coverage != 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "masking=none holds every unit: coverage must be 1.0")
+    if cfg.granularity not in GRANULARITIES:
+        raise ConfigError("masking.granularity", cfg.granularity, f"allowed: {', '.join(GRANULARITIES)}")
+    if cfg.construction not in CONSTRUCTIONS:
+        raise ConfigError("masking.construction", cfg.construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
+    if cfg.scale not in SCALES:
+        raise ConfigError("masking.scale", cfg.scale, f"allowed: {', '.join(SCALES)}")
+
+
+def resolved_scale(cfg: MaskingConfig) -> str:
+    if cfg.scale != "auto":
+        return cfg.scale
+    return "inverse_coverage" if cfg.granularity == "neuron" else "none"

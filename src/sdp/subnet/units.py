@@ -52,14 +52,22 @@ class UnitGroup:
     kind: str  # ffn | heads | channels | block
     num_units: int
     slices: list[TensorSlice]
+    # Modules whose output is the site's contribution to the residual stream;
+    # forward masking rescales it (see MaskingConfig.scale).
+    outputs: list[str] = field(default_factory=list)
+    # Integer module attributes that must equal the number of units a rank
+    # holds after slicing (timm's WindowAttention.num_heads).
+    count_attrs: list[str] = field(default_factory=list)
     # Block level only: builds the module that replaces a dropped block under
     # forward masking (the residual path, e.g. identity or the shortcut).
     skip: Callable[[nn.Module], nn.Module] | None = None
 
     def unit_numel(self, shapes: dict[str, torch.Size]) -> int:
-        """Elements of one unit over all its tensors (units in a group are the same size)."""
+        """Elements of one unit over its tensors named in `shapes` (units in a group are the same size)."""
         total = 0
         for s in self.slices:
+            if s.name not in shapes:
+                continue
             shape = shapes[s.name]
             if s.dim is None:
                 total += shape.numel()
@@ -90,7 +98,7 @@ def _sl(prefix: str, name: str, dim: int | None, index: torch.Tensor | None, *, 
     return TensorSlice(f"{prefix}.{name}" if prefix else name, dim, index, buffer)
 
 
-def _block_group(model: nn.Module, path: str, *, branch: list[str], skip: Callable) -> UnitGroup:
+def _block_group(model: nn.Module, path: str, *, branch: list[str], outputs: list[str], skip: Callable) -> UnitGroup:
     """A block unit: every parameter and float buffer of the listed residual-branch submodules."""
     block = model.get_submodule(path)
     slices = []
@@ -101,7 +109,9 @@ def _block_group(model: nn.Module, path: str, *, branch: list[str], skip: Callab
         for name, buf in module.named_buffers():
             if buf is not None and buf.is_floating_point():
                 slices.append(_sl(f"{path}.{sub}", name, None, None, buffer=True))
-    return UnitGroup(name=path, kind="block", num_units=1, slices=slices, skip=skip)
+    return UnitGroup(
+        name=path, kind="block", num_units=1, slices=slices, outputs=[f"{path}.{o}" for o in outputs], skip=skip
+    )
 
 
 # ---------------------------------------------------------------- LLaMA (transformers)
@@ -128,6 +138,7 @@ def llama_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
                     model,
                     path,
                     branch=["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
+                    outputs=["self_attn", "mlp"],
                     skip=lambda _: _SkippedDecoderLayer(),
                 )
             )
@@ -145,6 +156,7 @@ def llama_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
                     _sl(mlp, "up_proj.weight", 0, ffn),
                     _sl(mlp, "down_proj.weight", 1, ffn),
                 ],
+                outputs=[mlp],
             )
         )
         # One unit per KV head with the query heads that read it (GQA groups stay whole).
@@ -160,7 +172,7 @@ def llama_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
         for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
             if getattr(layer.self_attn, proj).bias is not None:
                 slices.append(_sl(attn, f"{proj}.bias", 0, rows))
-        groups.append(UnitGroup(attn, "heads", kv, slices))
+        groups.append(UnitGroup(attn, "heads", kv, slices, outputs=[attn]))
     return groups
 
 
@@ -192,7 +204,11 @@ def resnet_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
         if not isinstance(block, BasicBlock):
             continue
         if granularity == "block":
-            groups.append(_block_group(model, path, branch=["conv1", "bn1", "conv2", "bn2"], skip=_SkippedBasicBlock))
+            groups.append(
+                _block_group(
+                    model, path, branch=["conv1", "bn1", "conv2", "bn2"], outputs=["bn2"], skip=_SkippedBasicBlock
+                )
+            )
             continue
         n = block.conv1.out_channels
         ch = _runs(n, 1)
@@ -204,7 +220,7 @@ def resnet_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
             _sl(path, "bn1.running_var", 0, ch, buffer=True),
             _sl(path, "conv2.weight", 1, ch),
         ]
-        groups.append(UnitGroup(path, "channels", n, slices))
+        groups.append(UnitGroup(path, "channels", n, slices, outputs=[f"{path}.conv2"]))
     return groups
 
 
@@ -221,7 +237,13 @@ def swin_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
             continue
         if granularity == "block":
             groups.append(
-                _block_group(model, path, branch=["norm1", "attn", "norm2", "mlp"], skip=lambda _: nn.Identity())
+                _block_group(
+                    model,
+                    path,
+                    branch=["norm1", "attn", "norm2", "mlp"],
+                    outputs=["attn", "mlp"],
+                    skip=lambda _: nn.Identity(),
+                )
             )
             continue
         mlp, attn = f"{path}.mlp", f"{path}.attn"
@@ -237,6 +259,7 @@ def swin_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
                     _sl(mlp, "fc1.bias", 0, hid),
                     _sl(mlp, "fc2.weight", 1, hid),
                 ],
+                outputs=[mlp],
             )
         )
         heads = block.attn.num_heads
@@ -251,7 +274,7 @@ def swin_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
         ]
         if block.attn.qkv.bias is not None:
             slices.append(_sl(attn, "qkv.bias", 0, qkv))
-        groups.append(UnitGroup(attn, "heads", heads, slices))
+        groups.append(UnitGroup(attn, "heads", heads, slices, outputs=[attn], count_attrs=[f"{attn}.num_heads"]))
     return groups
 
 

@@ -1,0 +1,184 @@
+"""SDP as a data-parallel strategy for the training loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from sdp.errors import ConfigError
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.memory import static_bytes
+from sdp.parallel import Strategy
+from sdp.subnet import MaskingConfig, resolved_scale
+from sdp.subnet.apply import (
+    apply_backward_masking,
+    apply_forward_masking,
+    backward_buffer_sync,
+    forward_assembly,
+)
+from sdp.subnet.mask import Mask, build_mask, mask_stats
+from sdp.subnet.sync import GradSync, HolderGroups, broadcast_from_holders
+from sdp.subnet.units import UnitSpec, unit_spec
+
+
+def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
+    """The unit spec and mask of a plain model: a pure function of config and world size."""
+    spec = unit_spec(model, family=family, granularity=cfg.granularity)
+    mask = build_mask(
+        [g.num_units for g in spec.groups],
+        num_workers=world_size,
+        coverage=cfg.coverage,
+        construction=cfg.construction,
+        seed=cfg.seed,
+        group_kinds=[g.kind for g in spec.groups],
+    )
+    return spec, mask
+
+
+def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int) -> None:
+    """Check the mask against the model before launch (the model is built on the meta device)."""
+    from sdp.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    spec, mask = plan_mask(model, cfg, family=model_cfg.family, world_size=world_size)
+    if cfg.name != "forward":
+        return
+    for g, group in enumerate(spec.groups):
+        for worker in range(world_size):
+            if group.kind != "block" and mask.held_units(worker, g).size == 0:
+                raise ConfigError(
+                    "masking.coverage",
+                    cfg.coverage,
+                    f"leaves worker {worker} of {world_size} no unit of {group.name} ({group.num_units} "
+                    f"{group.kind} units); raise the coverage, use fewer workers or masking.granularity=block",
+                )
+
+
+class SDPStrategy(Strategy):
+    """Each rank trains its subnetwork; gradients are averaged among each unit's holders."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: MaskingConfig,
+        *,
+        family: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        comm: CommCounter,
+        bucket_cap_mb: int,
+        make_plain: Callable[[], nn.Module],
+    ):
+        """`model` is the full plain model on the host, initialised alike on every rank;
+        `make_plain` builds a full plain model on `device`, which assembly overwrites."""
+        self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
+        self.bucket_cap_mb, self.make_plain = bucket_cap_mb, make_plain
+        self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
+        self.stats = mask_stats(
+            self.mask, [g.unit_numel({n: t.shape for n, t in _tensors(model)}) for g in self.spec.groups]
+        )
+        self.full_params = sum(p.numel() for p in model.parameters())
+        self.plain_names = [n for n, _ in model.named_parameters()]
+        if cfg.name == "forward":
+            # Slice on the host, then move only the submodel: the device never holds the full model.
+            self.subnet, self.chunks = apply_forward_masking(
+                model, self.spec, self.mask, rank=rank, scale=resolved_scale(cfg)
+            )
+            self.subnet.model.to(device)  # keeps Parameter objects, so the sync pieces stay valid
+        else:
+            # Pieces view the full weights: they must be made where the weights live.
+            self.subnet, self.chunks = apply_backward_masking(model.to(device), self.spec, self.mask, rank=rank)
+        self.model = self.subnet.model
+        self.groups = HolderGroups([*self.mask.holder_sets(), tuple(range(world_size))], world_size=world_size)
+        self.sync = GradSync(self.subnet.grad_entries, groups=self.groups, comm=comm, bucket_cap_mb=bucket_cap_mb)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return self.subnet.trainable
+
+    def after_backward(self) -> None:
+        self.sync()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = self.sync.global_norm(rank=self.rank)
+        torch.nn.utils.clip_grads_with_norm_(self.subnet.trainable, max_norm, norm.float())
+        return norm
+
+    def after_step(self) -> None:
+        if self.subnet.refresh:
+            broadcast_from_holders(
+                self.subnet.refresh,
+                rank=self.rank,
+                comm=self.comm,
+                kind="weight_refresh",
+                bucket_cap_mb=self.bucket_cap_mb,
+                device=self.device,
+            )
+
+    @contextlib.contextmanager
+    def eval_model(self):
+        if self.cfg.name == "backward":
+            transfers = backward_buffer_sync(
+                self.model, self.spec, self.chunks, rank=self.rank, world_size=self.world_size
+            )
+            broadcast_from_holders(
+                transfers, rank=self.rank, comm=None, kind="eval", bucket_cap_mb=self.bucket_cap_mb, device=self.device
+            )
+            model = self.model
+        else:
+            model = self.assemble()
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def assemble(self) -> nn.Module:
+        """The full plain model, gathered from the holders (forward masking)."""
+        full = self.make_plain()
+        local = dict(self.model.named_parameters())
+        for name in self.spec.shared_params:
+            full.get_parameter(name).copy_(local[name])
+        transfers = forward_assembly(
+            self.model, full, self.spec, self.chunks, rank=self.rank, world_size=self.world_size
+        )
+        broadcast_from_holders(
+            transfers, rank=self.rank, comm=None, kind="assembly", bucket_cap_mb=self.bucket_cap_mb, device=self.device
+        )
+        return full
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the plain model by its plain name, current on every rank (collective)."""
+        if self.cfg.name == "forward":
+            return dict(self.assemble().named_parameters())
+        out = {}
+        for name in self.plain_names:
+            owner_path, _, attr = name.rpartition(".")
+            owner = self.model.get_submodule(owner_path) if owner_path else self.model
+            out[name] = owner._buffers.get(f"{attr}_full", getattr(owner, attr))
+        return out
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return static_bytes([*self.model.parameters(), *self.subnet.weight_tensors], optimizer)
+
+    def describe(self) -> dict:
+        held = sum(p.numel() for p in self.subnet.trainable)
+        return {
+            "granularity": self.cfg.granularity,
+            "construction": self.cfg.construction,
+            "mask": self.stats,
+            "trainable_params_this_rank": held,
+            "trainable_fraction_rank0": round(held / self.full_params, 6),
+        }
+
+
+def _tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if b is not None)

@@ -1,0 +1,206 @@
+"""Multi-process SDP checks, run under torchrun by tests/test_subnet_dist.py.
+
+`python -m torch.distributed.run --nproc_per_node=K tests/dist_harness.py SCENARIO OUT.json`
+Every rank measures; rank 0 writes what the test asserts on. Measurements,
+not verdicts: the assertions live in the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from sdp.config import typed_config
+from sdp.metrics.comm import CommCounter
+from sdp.models import build_model
+from sdp.optim import OptimConfig, build_optimizer
+from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.subnet import MaskingConfig
+from sdp.subnet.strategy import SDPStrategy
+from sdp.trainer import forward_loss
+
+MODELS = {
+    "llama": ("llama_tiny", "synthetic_text"),
+    "resnet": ("resnet_tiny", "synthetic_image"),
+    "swin": ("swin_tiny", "synthetic_image"),
+}
+CPU = torch.device("cpu")
+
+
+def model_cfg(family: str):
+    model, dataset = MODELS[family]
+    return typed_config([f"model={model}", f"dataset={dataset}"])[1].model
+
+
+def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
+    """A deterministic batch per (rank, step): every process can recompute any rank's batch."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if family == "llama":
+        tokens = torch.randint(0, 4096, (n, 17), generator=g)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return {"inputs": torch.randn(n, 3, 32, 32, generator=g), "targets": torch.randint(0, 10, (n,), generator=g)}
+
+
+def make(family: str, masking: MaskingConfig | None, comm: CommCounter):
+    cfg = model_cfg(family)
+    torch.manual_seed(0)
+    if masking is None:
+        return DDPStrategy(build_model(cfg), ParallelConfig(), device=CPU, comm=comm)
+    return SDPStrategy(
+        build_model(cfg),
+        masking,
+        family=cfg.family,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=CPU,
+        comm=comm,
+        bucket_cap_mb=1,
+        make_plain=lambda: build_model(cfg),
+    )
+
+
+def train(strategy, family: str, *, steps: int):
+    optimizer = build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
+    rank = dist.get_rank()
+    strategy.model.train()
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = forward_loss(strategy.model, batch(family, rank, step))
+        loss.backward()
+        strategy.after_backward()
+        optimizer.step()
+        strategy.after_step()
+    return optimizer
+
+
+def gathered(x):
+    """`x` from every rank, in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
+
+
+def equivalence() -> dict:
+    """C = 1: every SDP variant against DDP, parameters after a few steps."""
+    out = {}
+    for family in MODELS:
+        ddp = make(family, None, CommCounter())
+        train(ddp, family, steps=3)
+        ref = {k: v.clone() for k, v in ddp.full_parameters().items()}
+        out[family] = {}
+        for mode in ("backward", "forward"):
+            for gran in ("neuron", "block"):
+                sdp = make(family, MaskingConfig(name=mode, granularity=gran, coverage=1.0), CommCounter())
+                train(sdp, family, steps=3)
+                out[family][f"{mode}-{gran}"] = max_diff(ref, sdp.full_parameters())
+    return out
+
+
+def full_grads(family: str, rank: int) -> dict[str, torch.Tensor]:
+    """The full model's gradient on `rank`'s first batch, computed in this process alone."""
+    torch.manual_seed(0)
+    model = build_model(model_cfg(family)).train()
+    loss, _ = forward_loss(model, batch(family, rank, 0))
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _at(t: torch.Tensor, e) -> torch.Tensor:
+    return (
+        t
+        if e.full_dim is None
+        else t.narrow(e.full_dim, e.full_start, e.piece.numel // (t.numel() // t.shape[e.full_dim]))
+    )
+
+
+def holders_check(family: str, gran: str) -> dict:
+    """K workers, C = 0.5, backward masking: averaged gradients, norms, bytes; forward masking: bytes, assembly."""
+    rank, k = dist.get_rank(), dist.get_world_size()
+    refs = [full_grads(family, r) for r in range(k)]
+    res: dict = {}
+
+    # Backward masking: one synced gradient against the mean of the holders' full gradients.
+    sdp = make(family, MaskingConfig(name="backward", granularity=gran, coverage=0.5), CommCounter())
+    sdp.model.train()
+    loss, _ = forward_loss(sdp.model, batch(family, rank, 0))
+    loss.backward()
+    sdp.after_backward()
+    worst = 0.0
+    ref_sq = torch.zeros((), dtype=torch.float64)
+    for e in sdp.subnet.grad_entries:
+        expected = torch.stack([_at(refs[h][e.name], e) for h in e.holders]).mean(0)
+        got = e.piece.view(e.piece.tensor.grad)
+        worst = max(worst, ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item())
+        if e.holders[0] == rank:
+            ref_sq += expected.double().pow(2).sum()
+    dist.all_reduce(ref_sq)
+    res["backward_grad_rel_err"] = max(gathered(worst))
+    res["global_norm"] = [sdp.sync.global_norm(rank=rank).item(), ref_sq.sqrt().item()]
+    trainable = {id(p) for p in sdp.trainable()}
+    res["frozen_with_grad"] = sum(
+        gathered(sum(1 for p in sdp.model.parameters() if id(p) not in trainable and p.grad is not None))
+    )
+    optimizer = build_optimizer(sdp.trainable(), OptimConfig(lr=1e-3))
+    optimizer.step()
+    res["optimizer_state_outside_trainable"] = sum(gathered(sum(1 for p in optimizer.state if id(p) not in trainable)))
+    mem = sdp.memory(optimizer)
+    held = _predicted_held(sdp, family, rank)
+    predicted = {
+        "params_bytes": 4 * sdp.full_params,
+        "grads_bytes": 4 * held,
+        "optim_bytes": 8 * held + 4 * len(sdp.trainable()),
+    }
+    res["backward_bytes"] = gathered([mem, predicted])
+
+    # Forward masking: bytes of the physical submodel, then assembly after two steps.
+    sdp = make(family, MaskingConfig(name="forward", granularity=gran, coverage=0.5), CommCounter())
+    optimizer = train(sdp, family, steps=2)
+    held = _predicted_held(sdp, family, rank)
+    predicted = {"params_bytes": 4 * held, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
+    res["forward_bytes"] = gathered([sdp.memory(optimizer), predicted])
+    full = sdp.full_parameters()
+    flat = torch.cat([full[n].reshape(-1) for n in sorted(full)])
+    mine = flat.clone()
+    dist.broadcast(flat, src=0)
+    res["assembled_rank_diff"] = max(gathered((mine - flat).abs().max().item()))
+    local_vs_assembled = 0.0
+    for e in sdp.subnet.grad_entries:  # every held piece, in plain coordinates
+        local_vs_assembled = max(local_vs_assembled, (e.piece.view() - _at(full[e.name], e)).abs().max().item())
+    res["local_vs_assembled"] = max(gathered(local_vs_assembled))
+    digest = hashlib.sha256(sdp.mask.matrix().tobytes()).hexdigest()
+    res["mask_identical_on_all_ranks"] = len(set(gathered(digest))) == 1
+    res["stats"] = sdp.describe()["mask"]
+    return res
+
+
+def _predicted_held(sdp: SDPStrategy, family: str, rank: int) -> int:
+    """Trainable elements predicted from the unit spec and the mask alone (not from the built submodel)."""
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in build_model(model_cfg(family)).named_parameters()}
+    shared = sum(shapes[n].numel() for n in sdp.spec.shared_params)
+    units = sum(sdp.mask.held_units(rank, g).size * group.unit_numel(shapes) for g, group in enumerate(sdp.spec.groups))
+    return shared + units
+
+
+def holders() -> dict:
+    return {f"{family}-{gran}": holders_check(family, gran) for family in MODELS for gran in ("neuron", "block")}
+
+
+if __name__ == "__main__":
+    scenario, path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    result = {"equivalence": equivalence, "holders": holders}[scenario]()
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()

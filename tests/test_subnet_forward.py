@@ -1,0 +1,84 @@
+"""Forward masking builds a physically smaller model that computes the masked full model."""
+
+import pytest
+import torch
+
+from sdp.config import typed_config
+from sdp.models import build_model
+from sdp.subnet import MaskingConfig
+from sdp.subnet.apply import apply_forward_masking
+from sdp.subnet.strategy import plan_mask
+
+MODELS = {
+    "llama": ("llama_tiny", "synthetic_text"),
+    "resnet": ("resnet_tiny", "synthetic_image"),
+    "swin": ("swin_tiny", "synthetic_image"),
+}
+
+
+def _plain(family: str):
+    model, dataset = MODELS[family]
+    cfg = typed_config([f"model={model}", f"dataset={dataset}"])[1].model
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    with torch.no_grad():  # non-trivial biases and norms, so that a wrongly kept slice would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or p.dim() == 1:
+                p.normal_(std=0.1)
+    return model
+
+
+def _out(model, x):
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _input(family: str):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 4096, (2, 16), generator=g) if family == "llama" else torch.randn(4, 3, 32, 32, generator=g)
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("gran", ["neuron", "block"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_submodel_equals_full_model_with_dropped_units_zeroed(family, gran, rank):
+    """K = 4, C = 0.5: the submodel of `rank` against the full model whose non-held units are all zeros
+    (a zeroed neuron contributes nothing; a zeroed block's branch outputs zero, so the block is its skip path)."""
+    masking = MaskingConfig(name="forward", granularity=gran, coverage=0.5, scale="none")
+    full = _plain(family)
+    sub = _plain(family)
+    spec, mask = plan_mask(full, masking, family=family, world_size=4)
+    tensors = dict(full.named_parameters())
+    with torch.no_grad():
+        for g, group in enumerate(spec.groups):
+            dropped = sorted(set(range(group.num_units)) - set(mask.held_units(rank, g).tolist()))
+            for s in group.slices:
+                if s.name not in tensors or not dropped:
+                    continue
+                if s.dim is None:
+                    tensors[s.name].zero_()
+                else:
+                    tensors[s.name].index_fill_(s.dim, s.unit_positions(torch.tensor(dropped)), 0.0)
+    apply_forward_masking(sub, *plan_mask(sub, masking, family=family, world_size=4), rank=rank, scale="none")
+    x = _input(family)
+    torch.testing.assert_close(_out(sub, x), _out(full, x), rtol=1e-5, atol=1e-5)
+    n_sub, n_full = (sum(p.numel() for p in m.parameters()) for m in (sub, full))
+    assert n_sub < n_full  # physically smaller: the dropped units are not allocated
+
+
+def test_inverse_coverage_scales_each_site_by_units_over_held():
+    masking = MaskingConfig(name="forward", granularity="neuron", coverage=0.5)
+    plain, scaled = _plain("resnet"), _plain("resnet")
+    apply_forward_masking(plain, *plan_mask(plain, masking, family="resnet", world_size=4), rank=1, scale="none")
+    apply_forward_masking(
+        scaled, *plan_mask(scaled, masking, family="resnet", world_size=4), rank=1, scale="inverse_coverage"
+    )
+    x = _input("resnet")
+    stem = plain.maxpool(plain.relu(plain.bn1(plain.conv1(x))))  # shared: the same in both models
+
+    def branch(model):
+        block = model.layer1[0]
+        return block.conv2(torch.relu(block.bn1(block.conv1(stem))))
+
+    a, b = branch(plain), branch(scaled)
+    torch.testing.assert_close(b, a * 2.0)  # 64 channels, 32 held
