@@ -79,3 +79,12 @@ def test_impossible_requests_are_refused(coverage, k, fragment):
 def test_unknown_construction():
     with pytest.raises(ConfigError, match="masking.construction='striped': allowed: cyclic, random"):
         build_mask([4], num_workers=2, coverage=0.5, construction="striped")
+
+
+@pytest.mark.parametrize("construction", ["cyclic", "random"])
+def test_every_chunk_is_sent_by_one_of_its_holders(construction):
+    mask = build_mask(SIZES, num_workers=4, coverage=0.5, construction=construction, group_kinds=KINDS)
+    for holders, sources in zip(mask.chunk_holders, mask.chunk_source, strict=True):
+        assert all(src in hs for hs, src in zip(holders, sources, strict=True))
+    if construction == "cyclic":  # each worker sends exactly one chunk of every group
+        assert all(sorted(sources) == [0, 1, 2, 3] for sources in mask.chunk_source)

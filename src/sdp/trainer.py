@@ -15,7 +15,7 @@ from tqdm import tqdm
 from sdp import dist
 from sdp.data import DataBundle
 from sdp.errors import ConfigError
-from sdp.metrics.comm import CommCounter
+from sdp.metrics.comm import COMM_KINDS, CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.metrics.memory import peak_bytes
 from sdp.parallel import Strategy
@@ -180,25 +180,29 @@ def train(
             if world.is_main:
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
     bar.close()
+    peak = peak_bytes(device)
+    memory = _max_over_ranks({**memory, "peak_bytes": -1 if peak is None else peak}, device=device)
+    memory = {k: None if v < 0 else int(v) for k, v in memory.items()}
+    per_step = comm.per_step()
+    comm_max = _max_over_ranks({kind: per_step.get(kind, 0.0) for kind in COMM_KINDS}, device=device)
     return {
         "steps": cfg.max_steps,
         "train_loss": last["train_loss"],
         **evals,
         "tokens_or_samples_per_s": last["tokens_or_samples_per_s"],
         "step_time_s": last["step_time_s"],
-        "memory": _max_over_ranks(memory, peak=peak_bytes(device), device=device),
-        "comm_bytes_per_step": comm.per_step()["total"],
-        "comm_bytes_per_step_by_kind": comm.per_step(),
+        "memory": memory,
+        "comm_bytes_per_step": sum(comm_max.values()),
+        "comm_bytes_per_step_by_kind": comm_max,
     }
 
 
-def _max_over_ranks(memory: dict, *, peak: int | None, device: torch.device) -> dict:
-    """The largest rank's bytes for each counter: what the biggest device must hold."""
-    keys = sorted(memory)
-    values = torch.tensor(
-        [memory[k] for k in keys] + [-1 if peak is None else peak], dtype=torch.float64, device=device
-    )
-    dist.all_reduce_(values, op="max")
-    out = {k: int(v) for k, v in zip(keys, values.tolist(), strict=False)}
-    out["peak_bytes"] = None if values[-1] < 0 else int(values[-1])
-    return out
+def _max_over_ranks(values: dict[str, float], *, device: torch.device) -> dict[str, float]:
+    """Each counter's largest value over the ranks: what the busiest device holds or sends.
+
+    Every rank must pass the same keys.
+    """
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce_(t, op="max")
+    return dict(zip(keys, t.tolist(), strict=True))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+# What is counted: gradient averaging of unit parameters (all of them under DDP),
+# of shared parameters under SDP, and backward masking's refresh of non-held weights.
+COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh")
+
 
 class CommCounter:
     """Bytes of collective payload this rank sends, by kind, per optimizer step.
@@ -19,6 +23,8 @@ class CommCounter:
         self.steps = 0
 
     def add(self, kind: str, nbytes: int) -> None:
+        if kind not in COMM_KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; known: {', '.join(COMM_KINDS)}")
         self._current[kind] += nbytes
 
     def end_step(self) -> dict[str, int]:
@@ -31,9 +37,5 @@ class CommCounter:
         return step
 
     def per_step(self) -> dict[str, float]:
-        """Mean bytes per step by kind, plus their sum under `total`."""
-        if self.steps == 0:
-            return {"total": 0.0}
-        means = {kind: nbytes / self.steps for kind, nbytes in self.total.items()}
-        means["total"] = sum(means.values())
-        return means
+        """Mean bytes per step by kind."""
+        return {kind: self.total[kind] / max(1, self.steps) for kind in COMM_KINDS}

@@ -15,7 +15,7 @@ from sdp.subnet.mask import CONSTRUCTIONS
 from sdp.subnet.units import GRANULARITIES
 
 MASKINGS = ("none", "backward", "forward")
-SCALES = ("auto", "inverse_coverage", "none")
+SCALES = ("auto", "inverse_coverage", "eval_coverage", "none")
 
 
 @dataclass
@@ -25,10 +25,13 @@ class MaskingConfig:
     coverage: float = 1.0  # fraction of units each worker holds
     construction: str = "cyclic"  # cyclic | random
     seed: int = 0  # the mask's seed (random construction), the same on every rank
-    # Forward masking's train-time rescaling of a site's output: inverse_coverage
-    # multiplies by (units at the site / units held), like inverted dropout;
-    # auto = inverse_coverage for neurons, none for blocks (stochastic depth
-    # without rescaling, as the full model is used at evaluation).
+    # Forward masking's rescaling, so that the full model used for evaluation sees
+    # activations of the size the subnetworks were trained with:
+    #   inverse_coverage: in training, a site's output x (units at the site / units held),
+    #                     like inverted dropout; the full model is evaluated as is;
+    #   eval_coverage:    training unscaled; in evaluation each unit site's output x C,
+    #                     as stochastic depth scales a block by its survival rate at test time;
+    #   none;  auto: inverse_coverage for neurons, eval_coverage for blocks.
     scale: str = "auto"
 
 
@@ -51,4 +54,4 @@ def validate_masking(cfg: MaskingConfig) -> None:
 def resolved_scale(cfg: MaskingConfig) -> str:
     if cfg.scale != "auto":
         return cfg.scale
-    return "inverse_coverage" if cfg.granularity == "neuron" else "none"
+    return "inverse_coverage" if cfg.granularity == "neuron" else "eval_coverage"

@@ -90,11 +90,11 @@ def _coalesce(entries: list[GradEntry]) -> list[GradEntry]:
 # --------------------------------------------------------------------- forward masking
 
 
-def _add_scale_hook(module: nn.Module, factor: float) -> None:
-    """Multiply the module's output (or the first element of a tuple output) by `factor` in training."""
+def add_scale_hook(module: nn.Module, factor: float, *, training_only: bool) -> None:
+    """Multiply the module's output (or the first element of a tuple output) by `factor`."""
 
     def hook(mod, args, output):
-        if not mod.training:
+        if training_only and not mod.training:
             return output
         if isinstance(output, tuple):
             return (output[0] * factor, *output[1:])
@@ -118,7 +118,7 @@ def apply_forward_masking(
                 setattr(parent, attr, group.skip(model.get_submodule(group.name)))
             elif scale == "inverse_coverage":
                 for out in group.outputs:
-                    _add_scale_hook(model.get_submodule(out), mask.num_workers / mask.holders)
+                    add_scale_hook(model.get_submodule(out), mask.num_workers / mask.holders, training_only=True)
             continue
         if held.size == 0:
             raise ConfigError(
@@ -132,7 +132,7 @@ def apply_forward_masking(
             setattr(owner, attr, int(held.size))
         if scale == "inverse_coverage" and held.size < group.num_units:
             for out in group.outputs:
-                _add_scale_hook(model.get_submodule(out), group.num_units / held.size)
+                add_scale_hook(model.get_submodule(out), group.num_units / held.size, training_only=True)
     for lt in locals_.values():
         if lt.dim is not None and not lt.whole:
             _slice_tensor(model, lt)
@@ -162,8 +162,17 @@ def _slice_tensor(model: nn.Module, lt: LocalTensor) -> None:
         owner.register_buffer(attr, held, persistent=attr not in owner._non_persistent_buffers_set)
 
 
+def add_eval_scaling(full: nn.Module, spec: UnitSpec, coverage: float) -> None:
+    """Stochastic-depth style evaluation: every unit site's output of the full model x coverage."""
+    if coverage == 1.0:
+        return
+    for group in spec.groups:
+        for out in group.outputs:
+            add_scale_hook(full.get_submodule(out), coverage, training_only=False)
+
+
 def forward_assembly(
-    local: nn.Module, full: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int, world_size: int
+    local: nn.Module, full: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int
 ) -> list[Transfer]:
     """Transfers that fill `full` (a fresh plain model) from the holders' submodels.
 
@@ -177,23 +186,22 @@ def forward_assembly(
     transfers = []
     for ch in chunks:
         if ch.dim is None:
-            src = Piece(local_t[ch.tensor], None) if rank == ch.holders[0] else None
-            transfers.append(Transfer(ch.holders, shapes[ch.tensor].numel(), src, Piece(full_t[ch.tensor], None)))
+            src = Piece(local_t[ch.tensor], None) if rank == ch.source else None
+            transfers.append(Transfer(ch.source, shapes[ch.tensor].numel(), src, Piece(full_t[ch.tensor], None)))
             continue
         mine = placements[ch.tensor]
         local_of = {}
-        if rank == ch.holders[0]:
+        if rank == ch.source:
             i = mine.chunks.index(ch)
             local_of = {f: s for f, s, _ in mine.placements[i]}
         row = shapes[ch.tensor].numel() // shapes[ch.tensor][ch.dim]
         for start, n in ch.ranges:
             src = Piece(local_t[ch.tensor], ch.dim, local_of[start], n) if local_of else None
-            transfers.append(Transfer(ch.holders, row * n, src, Piece(full_t[ch.tensor], ch.dim, start, n)))
-    everyone = tuple(range(world_size))
+            transfers.append(Transfer(ch.source, row * n, src, Piece(full_t[ch.tensor], ch.dim, start, n)))
     for name in spec.shared_buffers:
         if name in local_t and full_t[name].is_floating_point() and not _under_block(name, spec):
             src = Piece(local_t[name], None) if rank == 0 else None
-            transfers.append(Transfer(everyone, full_t[name].numel(), src, Piece(full_t[name], None)))
+            transfers.append(Transfer(0, full_t[name].numel(), src, Piece(full_t[name], None)))
     return transfers
 
 
@@ -274,16 +282,16 @@ def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank
             continue
         whole = Piece(full_of[ch.tensor], None)
         if ch.dim is None:
-            mine = whole if rank == ch.holders[0] else None
+            mine = whole if rank == ch.source else None
             dst = None if rank in ch.holders else whole
-            refresh.append(Transfer(ch.holders, full_of[ch.tensor].numel(), mine, dst))
+            refresh.append(Transfer(ch.source, full_of[ch.tensor].numel(), mine, dst))
             continue
         row = shapes[ch.tensor].numel() // shapes[ch.tensor][ch.dim]
         for start, n in ch.ranges:
             piece = Piece(full_of[ch.tensor], ch.dim, start, n)
             refresh.append(
                 Transfer(
-                    ch.holders, row * n, piece if rank == ch.holders[0] else None, None if rank in ch.holders else piece
+                    ch.source, row * n, piece if rank == ch.source else None, None if rank in ch.holders else piece
                 )
             )
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -291,9 +299,7 @@ def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank
     return subnet, chunks
 
 
-def backward_buffer_sync(
-    model: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int, world_size: int
-) -> list[Transfer]:
+def backward_buffer_sync(model: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int) -> list[Transfer]:
     """Transfers that make every rank's buffers equal before evaluation: unit
     buffers (BatchNorm statistics of held channels) from their first holder,
     shared float buffers from rank 0."""
@@ -305,16 +311,15 @@ def backward_buffer_sync(
         t = tensors[ch.tensor]
         if ch.dim is None:
             transfers.append(
-                Transfer(ch.holders, t.numel(), Piece(t, None) if rank == ch.holders[0] else None, Piece(t, None))
+                Transfer(ch.source, t.numel(), Piece(t, None) if rank == ch.source else None, Piece(t, None))
             )
             continue
         row = t.numel() // t.shape[ch.dim]
         for start, n in ch.ranges:
             piece = Piece(t, ch.dim, start, n)
-            transfers.append(Transfer(ch.holders, row * n, piece if rank == ch.holders[0] else None, piece))
-    everyone = tuple(range(world_size))
+            transfers.append(Transfer(ch.source, row * n, piece if rank == ch.source else None, piece))
     for name in spec.shared_buffers:
         t = tensors.get(name)
         if t is not None and t.is_floating_point():
-            transfers.append(Transfer(everyone, t.numel(), Piece(t, None) if rank == 0 else None, Piece(t, None)))
+            transfers.append(Transfer(0, t.numel(), Piece(t, None) if rank == 0 else None, Piece(t, None)))
     return transfers

@@ -25,6 +25,7 @@ class Chunk:
     dim: int | None  # None: the whole tensor (block unit)
     ranges: tuple[Range, ...]  # full-model coordinates, sorted; () for a whole tensor
     holders: tuple[int, ...]
+    source: int  # the holder that sends this chunk to the others
     is_buffer: bool
     group: int  # index of the unit group in the spec
     units: int  # how many units of the group the chunk carries
@@ -58,7 +59,8 @@ def build_chunks(spec: UnitSpec, mask: Mask) -> list[Chunk]:
                 continue
             for s in group.slices:
                 ranges = () if s.dim is None else to_ranges(s.unit_positions(units))
-                chunks.append(Chunk(s.name, s.dim, ranges, holders, s.is_buffer, g, units.numel()))
+                source = mask.chunk_source[g][c]
+                chunks.append(Chunk(s.name, s.dim, ranges, holders, source, s.is_buffer, g, units.numel()))
     return chunks
 
 

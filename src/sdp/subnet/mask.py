@@ -51,6 +51,9 @@ class Mask:
     holders: int  # r
     chunk_of: tuple[np.ndarray, ...]
     chunk_holders: tuple[tuple[tuple[int, ...], ...], ...]
+    # The holder that sends chunk c of group g to the other workers (weight refresh,
+    # assembly): spread so that every worker sends about the same amount.
+    chunk_source: tuple[tuple[int, ...], ...]
 
     def held_units(self, worker: int, group: int) -> np.ndarray:
         """Sorted unit indices of `group` held by `worker`."""
@@ -118,12 +121,17 @@ def build_mask(
         # Worker w holds chunks w..w+r-1, so chunk c is held by workers c-r+1..c.
         cyclic = tuple(tuple(sorted((c - i) % k for i in range(r))) for c in range(k))
         chunk_holders = tuple(cyclic for _ in group_sizes)
+        # Chunk c is the first of worker c's chunks: each worker sends one chunk per group.
+        chunk_source = tuple(tuple(range(k)) for _ in group_sizes)
     else:
         rng = np.random.default_rng(seed)
         chunk_holders = tuple(
             tuple(tuple(sorted(rng.choice(k, size=r, replace=False).tolist())) for _ in range(k)) for _ in group_sizes
         )
-    return Mask(num_workers=k, holders=r, chunk_of=chunk_of, chunk_holders=chunk_holders)
+        chunk_source = tuple(
+            tuple(hs[(c + g) % r] for c, hs in enumerate(per_group)) for g, per_group in enumerate(chunk_holders)
+        )
+    return Mask(num_workers=k, holders=r, chunk_of=chunk_of, chunk_holders=chunk_holders, chunk_source=chunk_source)
 
 
 def mask_stats(mask: Mask, unit_numels: list[int]) -> dict:

@@ -14,6 +14,7 @@ from sdp.metrics.memory import static_bytes
 from sdp.parallel import Strategy
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
+    add_eval_scaling,
     apply_backward_masking,
     apply_forward_masking,
     backward_buffer_sync,
@@ -122,9 +123,7 @@ class SDPStrategy(Strategy):
     @contextlib.contextmanager
     def eval_model(self):
         if self.cfg.name == "backward":
-            transfers = backward_buffer_sync(
-                self.model, self.spec, self.chunks, rank=self.rank, world_size=self.world_size
-            )
+            transfers = backward_buffer_sync(self.model, self.spec, self.chunks, rank=self.rank)
             broadcast_from_holders(
                 transfers, rank=self.rank, comm=None, kind="eval", bucket_cap_mb=self.bucket_cap_mb, device=self.device
             )
@@ -141,16 +140,17 @@ class SDPStrategy(Strategy):
     @torch.no_grad()
     def assemble(self) -> nn.Module:
         """The full plain model, gathered from the holders (forward masking)."""
-        full = self.make_plain()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            full = self.make_plain()  # its random init must not move the training RNG streams
         local = dict(self.model.named_parameters())
         for name in self.spec.shared_params:
             full.get_parameter(name).copy_(local[name])
-        transfers = forward_assembly(
-            self.model, full, self.spec, self.chunks, rank=self.rank, world_size=self.world_size
-        )
+        transfers = forward_assembly(self.model, full, self.spec, self.chunks, rank=self.rank)
         broadcast_from_holders(
             transfers, rank=self.rank, comm=None, kind="assembly", bucket_cap_mb=self.bucket_cap_mb, device=self.device
         )
+        if resolved_scale(self.cfg) == "eval_coverage":
+            add_eval_scaling(full, self.spec, self.mask.holders / self.mask.num_workers)
         return full
 
     @torch.no_grad()

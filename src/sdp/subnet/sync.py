@@ -132,11 +132,11 @@ class GradSync:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Values that flow from the first holder of a holder set to every rank: `src` is the
-    sender's piece (None on other ranks), `dst` where this rank writes them (None: keep
-    what it has, e.g. a holder whose own copy is already current)."""
+    """Values that flow from rank `source` to every rank: `src` is the sender's piece
+    (None on other ranks), `dst` where this rank writes them (None: keep what it
+    has, e.g. a holder whose own copy is already current)."""
 
-    holders: tuple[int, ...]
+    source: int
     numel: int
     src: Piece | None
     dst: Piece | None
@@ -152,14 +152,13 @@ def broadcast_from_holders(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Send every transfer's values from its first holder to all ranks (one broadcast per bucket)."""
-    by_holders: dict[tuple[int, ...], list[Transfer]] = {}
+    """Send every transfer's values from its source rank to all ranks (one broadcast per bucket)."""
+    by_source: dict[int, list[Transfer]] = {}
     for t in transfers:
-        by_holders.setdefault(t.holders, []).append(t)
+        by_source.setdefault(t.source, []).append(t)
     cap = bucket_cap_mb * 2**20 // 4
-    for holders in sorted(by_holders, key=lambda s: (len(s), s)):
-        src = holders[0]
-        for bucket in _buckets(by_holders[holders], numel=lambda t: t.numel, cap_elems=cap):
+    for src in sorted(by_source):
+        for bucket in _buckets(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
             if rank == src:
                 flat = torch.cat([t.src.view().reshape(-1) for t in bucket]).to(dtype)
                 if comm is not None:
