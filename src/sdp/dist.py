@@ -91,6 +91,10 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def world_size() -> int:
+    return dist.get_world_size()
+
+
 def print0(world: World, *args, file=sys.stdout) -> None:
     if world.is_main:
         print(*args, file=file, flush=True)

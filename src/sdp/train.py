@@ -70,6 +70,23 @@ def build_strategy(cfg: RunConfig, *, world: dist.World, device: torch.device, c
     )
 
 
+def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int):
+    """Training batches for BatchNorm recalibration of an assembled model, from a stream of
+    their own (another seed), so the training data order is not disturbed; None when unused."""
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in strategy.model.modules())
+    if cfg.masking.name != "forward" or cfg.masking.bn_recalibration_batches == 0 or not has_bn:
+        return None
+    data = build_data(
+        cfg.dataset,
+        rank=world.rank,
+        world_size=world.world_size,
+        batch_size=batch_size,
+        eval_batch_size=batch_size,
+        seed=cfg.seed + 1,
+    )
+    return data.train
+
+
 def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
     """Train one configured run on this rank; rank 0 writes the run dir."""
     device = dist.select_device(cfg.trainer.device, world)
@@ -120,6 +137,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
         summary["throughput_unit"] = "tokens/s" if data.kind == "text" else "samples/s"
+        calibration = calibration_stream(cfg, strategy, world=world, batch_size=micro)
         dist.print0(
             world,
             f"run dir: {run_dir}  ({cfg.model.name}: {summary['n_params'] / 1e6:.2f}M params, "
@@ -137,6 +155,8 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
                 comm=comm,
                 logger=logger,
                 units_per_sample=cfg.dataset.seq_len if data.kind == "text" else 1,
+                calibration=calibration,
+                calibration_batches=cfg.masking.bn_recalibration_batches,
             )
         )
         summary["status"] = "completed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from tqdm import tqdm
 from sdp import dist
 from sdp.data import DataBundle
 from sdp.errors import ConfigError
-from sdp.metrics.comm import COMM_KINDS, CommCounter
+from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.metrics.memory import peak_bytes
 from sdp.parallel import Strategy
@@ -76,11 +77,42 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, data: DataBundle, *, device: torch.device) -> dict:
+def recalibrate_batchnorm(model: nn.Module, batches: Iterator[dict], *, count: int, device: torch.device) -> None:
+    """Recompute BatchNorm running statistics from `count` batches (cumulative average), then
+    average them over ranks so that every rank evaluates the same model."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms or count == 0:
+        return
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    was_training = model.training
+    model.train()
+    for _ in range(count):
+        model(_to_device(next(batches), device)["inputs"])
+    model.train(was_training)
+    for m, momentum in zip(norms, momenta, strict=True):
+        m.momentum = momentum
+        for stat in (m.running_mean, m.running_var):
+            dist.all_reduce_(stat).div_(dist.world_size())
+
+
+@torch.no_grad()
+def evaluate(
+    strategy: Strategy,
+    data: DataBundle,
+    *,
+    device: torch.device,
+    calibration: Iterator[dict] | None = None,
+    calibration_batches: int = 0,
+) -> dict:
     """Loss (and accuracy) over every rank's eval shard, on the full model (assembled under SDP)."""
     # [sum of per-target losses, number of targets, correct predictions]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     with strategy.eval_model() as full:
+        if calibration is not None:
+            recalibrate_batchnorm(full, calibration, count=calibration_batches, device=device)
         for batch in data.make_eval():
             batch = _to_device(batch, device)
             loss, logits = forward_loss(full, batch)
@@ -112,6 +144,8 @@ def train(
     comm: CommCounter,
     logger: RunLogger,
     units_per_sample: int,
+    calibration: Iterator[dict] | None = None,
+    calibration_batches: int = 0,
 ) -> dict:
     """Run `cfg.max_steps` optimizer steps; returns the loop's part of `summary.json`.
 
@@ -175,7 +209,9 @@ def train(
             window_loss.zero_()
             window_steps = 0
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            evals = evaluate(strategy, data, device=device)
+            evals = evaluate(
+                strategy, data, device=device, calibration=calibration, calibration_batches=calibration_batches
+            )
             logger.log({"step": step, **evals})
             if world.is_main:
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
@@ -184,7 +220,7 @@ def train(
     memory = _max_over_ranks({**memory, "peak_bytes": -1 if peak is None else peak}, device=device)
     memory = {k: None if v < 0 else int(v) for k, v in memory.items()}
     per_step = comm.per_step()
-    comm_max = _max_over_ranks({kind: per_step.get(kind, 0.0) for kind in COMM_KINDS}, device=device)
+    comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
     return {
         "steps": cfg.max_steps,
         "train_loss": last["train_loss"],
@@ -192,7 +228,8 @@ def train(
         "tokens_or_samples_per_s": last["tokens_or_samples_per_s"],
         "step_time_s": last["step_time_s"],
         "memory": memory,
-        "comm_bytes_per_step": sum(comm_max.values()),
+        # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
+        "comm_bytes_per_step": comm_max.pop("total"),
         "comm_bytes_per_step_by_kind": comm_max,
     }
 

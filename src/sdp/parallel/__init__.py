@@ -98,6 +98,7 @@ class DDPStrategy(Strategy):
     def __init__(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter):
         self.plain = model
         self.full_params = sum(p.numel() for p in model.parameters())
+        self.shared_params = self.full_params  # every parameter is held and averaged by every rank
         self.model = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -132,3 +133,6 @@ class DDPStrategy(Strategy):
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return static_bytes(self.plain.parameters(), optimizer)
+
+    def describe(self) -> dict:
+        return {"shared_params": self.shared_params}

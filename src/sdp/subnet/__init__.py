@@ -33,6 +33,12 @@ class MaskingConfig:
     #                     as stochastic depth scales a block by its survival rate at test time;
     #   none;  auto: inverse_coverage for neurons, eval_coverage for blocks.
     scale: str = "auto"
+    # Forward masking: before each evaluation, recompute the assembled model's
+    # BatchNorm statistics on this many training batches per rank (averaged over
+    # ranks). Each holder measured its units' statistics inside its own
+    # subnetwork, which the full model's activations no longer match (the
+    # recalibration of slimmable / once-for-all networks). 0: off.
+    bn_recalibration_batches: int = 20
 
 
 def validate_masking(cfg: MaskingConfig) -> None:
@@ -47,6 +53,8 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.granularity", cfg.granularity, f"allowed: {', '.join(GRANULARITIES)}")
     if cfg.construction not in CONSTRUCTIONS:
         raise ConfigError("masking.construction", cfg.construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
+    if cfg.bn_recalibration_batches < 0:
+        raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.scale not in SCALES:
         raise ConfigError("masking.scale", cfg.scale, f"allowed: {', '.join(SCALES)}")
 

@@ -80,11 +80,11 @@ class SDPStrategy(Strategy):
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain = bucket_cap_mb, make_plain
         self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
-        self.stats = mask_stats(
-            self.mask, [g.unit_numel({n: t.shape for n, t in _tensors(model)}) for g in self.spec.groups]
-        )
-        self.full_params = sum(p.numel() for p in model.parameters())
-        self.plain_names = [n for n, _ in model.named_parameters()]
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        self.stats = mask_stats(self.mask, [g.unit_numel(shapes) for g in self.spec.groups])
+        self.full_params = sum(s.numel() for s in shapes.values())
+        self.shared_params = sum(shapes[n].numel() for n in self.spec.shared_params)
+        self.plain_names = list(shapes)
         if cfg.name == "forward":
             # Slice on the host, then move only the submodel: the device never holds the full model.
             self.subnet, self.chunks = apply_forward_masking(
@@ -169,16 +169,10 @@ class SDPStrategy(Strategy):
         return static_bytes([*self.model.parameters(), *self.subnet.weight_tensors], optimizer)
 
     def describe(self) -> dict:
-        held = sum(p.numel() for p in self.subnet.trainable)
         return {
             "granularity": self.cfg.granularity,
             "construction": self.cfg.construction,
+            "scale": resolved_scale(self.cfg),
             "mask": self.stats,
-            "trainable_params_this_rank": held,
-            "trainable_fraction_rank0": round(held / self.full_params, 6),
+            "shared_params": self.shared_params,
         }
-
-
-def _tensors(model: nn.Module):
-    yield from model.named_parameters()
-    yield from ((n, b) for n, b in model.named_buffers() if b is not None)

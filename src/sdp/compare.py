@@ -1,0 +1,94 @@
+"""Run several variants of one configuration with torchrun and compare them with the first.
+
+Used by `scripts/demo.py` (make run) and `scripts/bench_sdp.py`: each variant is
+one `torchrun -m sdp.train` launch whose run dir keeps config.yaml,
+metrics.jsonl and summary.json; the table is built from the summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Result:
+    label: str
+    run_dir: Path
+    wall_s: float
+    summary: dict | None  # None when the run failed
+
+    @property
+    def static_bytes(self) -> int:
+        mem = self.summary["memory"]
+        return mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+
+
+def launch(overrides: list[str], *, run_dir: Path, nproc: int) -> tuple[int, float]:
+    """One `torchrun --standalone -m sdp.train` run; returns (exit code, wall seconds)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "sdp.train",
+        *overrides,
+        f"run_dir={run_dir}",
+    ]
+    print("$ torchrun", " ".join(cmd[4:]), flush=True)
+    start = time.perf_counter()
+    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    return rc, time.perf_counter() - start
+
+
+def run_variants(base: list[str], variants: list[tuple[str, list[str]]], *, root: Path, nproc: int) -> list[Result]:
+    """Launch `base + overrides` for every (label, overrides); failures are recorded, not raised."""
+    results = []
+    for i, (label, overrides) in enumerate(variants):
+        run_dir = root / f"{i}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}"  # '=' would break the override
+        rc, wall = launch(base + overrides, run_dir=run_dir, nproc=nproc)
+        path = run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        if rc != 0 or summary is None or summary.get("status") != "completed":
+            summary = None
+        results.append(Result(label, run_dir, wall, summary))
+    return results
+
+
+def _quality(s: dict) -> str:
+    return f"{s['eval_acc']:.2%} acc" if "eval_acc" in s else f"{s['eval_loss']:.3f} loss"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "" if not b else f"{a / b:.2f}"
+
+
+def comparison_table(results: list[Result]) -> str:
+    """Markdown table: quality, per-rank bytes, comm and step time, with ratios to the first row."""
+    head = (
+        "| variant | eval | train loss | params+grads+optim MiB/rank | vs DDP | comm MiB/step | vs DDP "
+        "| step s | vs DDP | wall s |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    base = results[0] if results[0].summary else None
+    for r in results:
+        s = r.summary
+        if s is None:
+            lines.append(f"| {r.label} | failed | | | | | | | | {r.wall_s:.0f} |")
+            continue
+        mem, comm, step = r.static_bytes, s["comm_bytes_per_step"], s["step_time_s"]
+        lines.append(
+            f"| {r.label} | {_quality(s)} | {s['train_loss']:.3f} | {mem / 2**20:.1f} | "
+            f"{_ratio(mem, base and base.static_bytes)} | {comm / 2**20:.2f} | "
+            f"{_ratio(comm, base and base.summary['comm_bytes_per_step'])} | {step:.3f} | "
+            f"{_ratio(step, base and base.summary['step_time_s'])} | {r.wall_s:.0f} |"
+        )
+    return "\n".join(lines)
