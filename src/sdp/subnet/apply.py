@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sdp.errors import ConfigError
+from sdp.subnet.held import install_held
 from sdp.subnet.layout import Chunk, LocalTensor, build_chunks, local_tensors
 from sdp.subnet.mask import Mask
 from sdp.subnet.sync import GradEntry, Piece, Transfer
@@ -213,41 +214,6 @@ def _under_block(name: str, spec: UnitSpec) -> bool:
 # -------------------------------------------------------------------- backward masking
 
 
-class _HeldView(torch.autograd.Function):
-    """Use the full weight in the forward; route its gradient only to the held ranges.
-
-    The full weight's gradient exists for a moment while autograd hands it to
-    this function; only the held ranges are kept (and accumulated into the
-    ranges' Parameters).
-    """
-
-    @staticmethod
-    def forward(ctx, full, dim, ranges, *pieces):
-        ctx.dim, ctx.ranges = dim, ranges
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, None, None, *[grad.narrow(ctx.dim, s, n).clone() for s, n in ctx.ranges])
-
-
-def _install_held_view(module: nn.Module, attr: str, full: torch.Tensor, dim: int, ranges: list) -> list:
-    """Make `module.<attr>` the full tensor with trainable views on `ranges`; returns the views."""
-    pieces = [nn.Parameter(full.narrow(dim, s, n)) for s, n in ranges]
-    del module._parameters[attr]
-    module.register_buffer(f"{attr}_full", full, persistent=False)
-    plist = nn.ParameterList(pieces)
-    module.add_module(f"{attr}_held_ranges", plist)
-    ranges = tuple(ranges)
-
-    def pre_hook(mod, args):
-        object.__setattr__(mod, attr, _HeldView.apply(full, dim, ranges, *plist))
-
-    module.register_forward_pre_hook(pre_hook)
-    object.__setattr__(module, attr, full)  # current values outside a forward too
-    return pieces
-
-
 def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank: int) -> tuple[Subnet, list[Chunk]]:
     """Keep the full model for the forward; make only this rank's unit ranges trainable."""
     shapes = {n: t.shape for n, t in _named_tensors(model)}
@@ -273,7 +239,7 @@ def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank
         held = [
             (ch.holders, s, n) for ch, placement in zip(lt.chunks, lt.placements, strict=True) for s, _, n in placement
         ]
-        pieces = _install_held_view(owner, attr, full, lt.dim, [(s, n) for _, s, n in held])
+        pieces = install_held(owner, attr, full, lt.dim, [(s, n) for _, s, n in held])
         for piece, (holders, start, _) in zip(pieces, held, strict=True):
             entries.append(GradEntry(holders, "grad_sync", Piece(piece, None), lt.name, lt.dim, start))
     refresh = []
