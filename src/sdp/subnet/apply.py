@@ -156,7 +156,7 @@ def _slice_tensor(model: nn.Module, lt: LocalTensor) -> None:
     """Replace a full tensor by its held positions along lt.dim (a new, smaller tensor)."""
     owner, attr = _owner(model, lt.name)
     full = getattr(owner, attr)
-    held = full.detach().index_select(lt.dim, lt.held_positions().to(full.device)).clone()
+    held = full.detach().index_select(lt.dim, lt.held_positions().to(full.device))  # a new, smaller tensor
     if isinstance(full, nn.Parameter):
         setattr(owner, attr, nn.Parameter(held, requires_grad=full.requires_grad))
     else:
