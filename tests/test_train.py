@@ -84,3 +84,34 @@ def test_failure_after_launch_is_recorded_in_the_summary(tmp_path):
     summary, _ = read_run(run_dir)
     assert summary["status"] == "failed"
     assert summary["error"].startswith("ConfigError: trainer.global_batch_size='16 per rank': must be <= 8")
+
+
+def test_sdp_run_through_the_entrypoint(tmp_path):
+    """masking=forward at block level end to end: summary carries the mask and the real (smaller) bytes."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model=resnet_tiny",
+        "dataset=synthetic_image",
+        "logger=none",
+        "masking=forward",
+        "masking.granularity=block",
+        "masking.coverage=0.5",
+        "masking.bn_recalibration_batches=2",
+        "trainer.max_steps=4",
+        "trainer.eval_every=2",
+        "trainer.global_batch_size=32",
+        "trainer.grad_accum_steps=2",
+        "dataset.eval_batches=2",
+        f"run_dir={run_dir}",
+    ]
+    proc = launch(overrides, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["masking"] == "forward"
+    assert summary["granularity"] == "block" and summary["scale"] == "eval_coverage"
+    assert summary["mask"]["holders_per_unit"] == 1 and summary["mask"]["spectral_gap"] == 0.0
+    # The largest rank holds blocks 1 and 3 of 4 (layer2, layer4) and the shared tensors: not the full model.
+    assert summary["memory"]["params_bytes"] < 4 * summary["n_params"]
+    assert summary["comm_bytes_per_step_by_kind"]["grad_sync"] == 0  # r = 1: unit gradients stay local
+    assert summary["comm_bytes_per_step_by_kind"]["shared_sync"] == 4 * summary["shared_params"]
+    assert len([r for r in records if "eval_loss" in r]) == 2
