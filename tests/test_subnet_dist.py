@@ -1,13 +1,13 @@
 """SDP across processes (gloo, CPU): two torchrun launches run every check in tests/dist_harness.py."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import OFFLINE_ENV
+from conftest import job_env
+
+from sdp.compare import torchrun_command
 
 pytestmark = pytest.mark.dist
 HERE = Path(__file__).parent
@@ -16,18 +16,8 @@ FAMILIES = ("llama", "resnet", "swin")
 
 def _harness(scenario: str, nproc: int, tmp_path: Path) -> dict:
     out = tmp_path / f"{scenario}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(HERE / "dist_harness.py"),
-        scenario,
-        str(out),
-    ]
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = torchrun_command(nproc, str(HERE / "dist_harness.py"), scenario, str(out))
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(HERE)), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -30,19 +30,14 @@ class Result:
         return mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
 
 
+def torchrun_command(nproc: int, *target: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=nproc TARGET...` with this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
+
+
 def launch(overrides: list[str], *, run_dir: Path, nproc: int) -> tuple[int, float]:
     """One `torchrun --standalone -m sdp.train` run; returns (exit code, wall seconds)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "sdp.train",
-        *overrides,
-        f"run_dir={run_dir}",
-    ]
+    cmd = torchrun_command(nproc, "-m", "sdp.train", *overrides, f"run_dir={run_dir}")
     print("$ torchrun", " ".join(cmd[4:]), flush=True)
     start = time.perf_counter()
     rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})

@@ -98,20 +98,26 @@ def _sl(prefix: str, name: str, dim: int | None, index: torch.Tensor | None, *, 
     return TensorSlice(f"{prefix}.{name}" if prefix else name, dim, index, buffer)
 
 
-def _block_group(model: nn.Module, path: str, *, branch: list[str], outputs: list[str], skip: Callable) -> UnitGroup:
-    """A block unit: every parameter and float buffer of the listed residual-branch submodules."""
-    block = model.get_submodule(path)
+def _block_group(path: str, block: nn.Module, rule: FamilyRule) -> UnitGroup:
+    """A block unit: every parameter and float buffer of the block's residual-branch submodules."""
     slices = []
-    for sub in branch:
+    for sub in rule.branch:
         module = block.get_submodule(sub)
-        for name, _ in module.named_parameters():
-            slices.append(_sl(f"{path}.{sub}", name, None, None))
-        for name, buf in module.named_buffers():
-            if buf is not None and buf.is_floating_point():
-                slices.append(_sl(f"{path}.{sub}", name, None, None, buffer=True))
-    return UnitGroup(
-        name=path, kind="block", num_units=1, slices=slices, outputs=[f"{path}.{o}" for o in outputs], skip=skip
-    )
+        slices += [_sl(f"{path}.{sub}", name, None, None) for name, _ in module.named_parameters()]
+        slices += [
+            _sl(f"{path}.{sub}", name, None, None, buffer=True)
+            for name, buf in module.named_buffers()
+            if buf is not None and buf.is_floating_point()
+        ]
+    outputs = [f"{path}.{o}" for o in rule.outputs]
+    return UnitGroup(name=path, kind="block", num_units=1, slices=slices, outputs=outputs, skip=rule.skip)
+
+
+def _ffn_group(path: str, *, rows: list[str], cols: list[str], n: int) -> UnitGroup:
+    """Hidden units of a two-layer MLP: `rows` of the input projections, `cols` of the output one."""
+    unit = _runs(n, 1)
+    slices = [_sl(path, name, 0, unit) for name in rows] + [_sl(path, name, 1, unit) for name in cols]
+    return UnitGroup(path, "ffn", n, slices, outputs=[path])
 
 
 # ---------------------------------------------------------------- LLaMA (transformers)
@@ -124,56 +130,31 @@ class _SkippedDecoderLayer(nn.Module):
         return hidden_states
 
 
-def llama_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
-    """FFN hidden units and KV-group heads per decoder layer, or whole decoder layers."""
+def _llama_neurons(path: str, layer: nn.Module) -> list[UnitGroup]:
+    """FFN hidden units, and heads: one unit per KV head with the query heads that read it (GQA)."""
+    mlp, attn = f"{path}.mlp", f"{path}.self_attn"
+    ffn = _ffn_group(
+        mlp, rows=["gate_proj.weight", "up_proj.weight"], cols=["down_proj.weight"], n=layer.mlp.gate_proj.out_features
+    )
+    head_dim = layer.self_attn.head_dim
+    kv = layer.self_attn.k_proj.out_features // head_dim
+    q_rows, kv_rows = _runs(kv, layer.self_attn.num_key_value_groups * head_dim), _runs(kv, head_dim)
+    slices = [
+        _sl(attn, "q_proj.weight", 0, q_rows),
+        _sl(attn, "k_proj.weight", 0, kv_rows),
+        _sl(attn, "v_proj.weight", 0, kv_rows),
+        _sl(attn, "o_proj.weight", 1, q_rows),
+    ]
+    for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+        if getattr(layer.self_attn, proj).bias is not None:
+            slices.append(_sl(attn, f"{proj}.bias", 0, rows))
+    return [ffn, UnitGroup(attn, "heads", kv, slices, outputs=[attn])]
+
+
+def _llama_block_type() -> type:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    groups = []
-    for path, layer in model.named_modules():
-        if not isinstance(layer, LlamaDecoderLayer):
-            continue
-        if granularity == "block":
-            groups.append(
-                _block_group(
-                    model,
-                    path,
-                    branch=["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
-                    outputs=["self_attn", "mlp"],
-                    skip=lambda _: _SkippedDecoderLayer(),
-                )
-            )
-            continue
-        mlp, attn = f"{path}.mlp", f"{path}.self_attn"
-        n_ffn = layer.mlp.gate_proj.out_features
-        ffn = _runs(n_ffn, 1)
-        groups.append(
-            UnitGroup(
-                f"{mlp}",
-                "ffn",
-                n_ffn,
-                [
-                    _sl(mlp, "gate_proj.weight", 0, ffn),
-                    _sl(mlp, "up_proj.weight", 0, ffn),
-                    _sl(mlp, "down_proj.weight", 1, ffn),
-                ],
-                outputs=[mlp],
-            )
-        )
-        # One unit per KV head with the query heads that read it (GQA groups stay whole).
-        head_dim, kv = layer.self_attn.head_dim, layer.self_attn.k_proj.out_features // layer.self_attn.head_dim
-        q_per_kv = layer.self_attn.num_key_value_groups
-        q_rows, kv_rows = _runs(kv, q_per_kv * head_dim), _runs(kv, head_dim)
-        slices = [
-            _sl(attn, "q_proj.weight", 0, q_rows),
-            _sl(attn, "k_proj.weight", 0, kv_rows),
-            _sl(attn, "v_proj.weight", 0, kv_rows),
-            _sl(attn, "o_proj.weight", 1, q_rows),
-        ]
-        for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-            if getattr(layer.self_attn, proj).bias is not None:
-                slices.append(_sl(attn, f"{proj}.bias", 0, rows))
-        groups.append(UnitGroup(attn, "heads", kv, slices, outputs=[attn]))
-    return groups
+    return LlamaDecoderLayer
 
 
 # ---------------------------------------------------------------- ResNet (torchvision)
@@ -195,97 +176,106 @@ class _SkippedBasicBlock(nn.Module):
         return torch.relu(self.downsample(x)) if self.downsample is not None else x
 
 
-def resnet_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
-    """Inner channels of each BasicBlock (conv1 out = bn1 = conv2 in), or whole residual branches."""
+def _resnet_neurons(path: str, block: nn.Module) -> list[UnitGroup]:
+    """Inner channels of a BasicBlock: conv1's outputs = bn1 (with its statistics) = conv2's inputs."""
+    n = block.conv1.out_channels
+    ch = _runs(n, 1)
+    slices = [
+        _sl(path, "conv1.weight", 0, ch),
+        _sl(path, "bn1.weight", 0, ch),
+        _sl(path, "bn1.bias", 0, ch),
+        _sl(path, "bn1.running_mean", 0, ch, buffer=True),
+        _sl(path, "bn1.running_var", 0, ch, buffer=True),
+        _sl(path, "conv2.weight", 1, ch),
+    ]
+    return [UnitGroup(path, "channels", n, slices, outputs=[f"{path}.conv2"])]
+
+
+def _resnet_block_type() -> type:
     from torchvision.models.resnet import BasicBlock
 
-    groups = []
-    for path, block in model.named_modules():
-        if not isinstance(block, BasicBlock):
-            continue
-        if granularity == "block":
-            groups.append(
-                _block_group(
-                    model, path, branch=["conv1", "bn1", "conv2", "bn2"], outputs=["bn2"], skip=_SkippedBasicBlock
-                )
-            )
-            continue
-        n = block.conv1.out_channels
-        ch = _runs(n, 1)
-        slices = [
-            _sl(path, "conv1.weight", 0, ch),
-            _sl(path, "bn1.weight", 0, ch),
-            _sl(path, "bn1.bias", 0, ch),
-            _sl(path, "bn1.running_mean", 0, ch, buffer=True),
-            _sl(path, "bn1.running_var", 0, ch, buffer=True),
-            _sl(path, "conv2.weight", 1, ch),
-        ]
-        groups.append(UnitGroup(path, "channels", n, slices, outputs=[f"{path}.conv2"]))
-    return groups
+    return BasicBlock
 
 
 # ---------------------------------------------------------------- Swin (timm)
 
 
-def swin_units(model: nn.Module, granularity: str) -> list[UnitGroup]:
-    """MLP hidden units and attention heads of each Swin block, or whole blocks."""
+def _swin_neurons(path: str, block: nn.Module) -> list[UnitGroup]:
+    """MLP hidden units and attention heads of a Swin block."""
+    mlp, attn = f"{path}.mlp", f"{path}.attn"
+    ffn = _ffn_group(mlp, rows=["fc1.weight", "fc1.bias"], cols=["fc2.weight"], n=block.mlp.fc1.out_features)
+    heads = block.attn.num_heads
+    attn_dim = block.attn.proj.in_features
+    head_dim = attn_dim // heads
+    # qkv rows are laid out [q | k | v], each split by head: head h owns one run in each third.
+    qkv = torch.stack([_runs(heads, head_dim) + part * attn_dim for part in range(3)], dim=1).view(heads, -1)
+    slices = [
+        _sl(attn, "qkv.weight", 0, qkv),
+        _sl(attn, "proj.weight", 1, _runs(heads, head_dim)),
+        _sl(attn, "relative_position_bias_table", 1, _runs(heads, 1)),
+    ]
+    if block.attn.qkv.bias is not None:
+        slices.append(_sl(attn, "qkv.bias", 0, qkv))
+    return [ffn, UnitGroup(attn, "heads", heads, slices, outputs=[attn], count_attrs=[f"{attn}.num_heads"])]
+
+
+def _swin_block_type() -> type:
     from timm.models.swin_transformer import SwinTransformerBlock
 
-    groups = []
-    for path, block in model.named_modules():
-        if not isinstance(block, SwinTransformerBlock):
-            continue
-        if granularity == "block":
-            groups.append(
-                _block_group(
-                    model,
-                    path,
-                    branch=["norm1", "attn", "norm2", "mlp"],
-                    outputs=["attn", "mlp"],
-                    skip=lambda _: nn.Identity(),
-                )
-            )
-            continue
-        mlp, attn = f"{path}.mlp", f"{path}.attn"
-        n_hidden = block.mlp.fc1.out_features
-        hid = _runs(n_hidden, 1)
-        groups.append(
-            UnitGroup(
-                mlp,
-                "ffn",
-                n_hidden,
-                [
-                    _sl(mlp, "fc1.weight", 0, hid),
-                    _sl(mlp, "fc1.bias", 0, hid),
-                    _sl(mlp, "fc2.weight", 1, hid),
-                ],
-                outputs=[mlp],
-            )
-        )
-        heads = block.attn.num_heads
-        attn_dim = block.attn.proj.in_features
-        head_dim = attn_dim // heads
-        # qkv rows are laid out [q | k | v], each split by head: head h owns one run in each third.
-        qkv = torch.stack([_runs(heads, head_dim) + part * attn_dim for part in range(3)], dim=1).view(heads, -1)
-        slices = [
-            _sl(attn, "qkv.weight", 0, qkv),
-            _sl(attn, "proj.weight", 1, _runs(heads, head_dim)),
-            _sl(attn, "relative_position_bias_table", 1, _runs(heads, 1)),
-        ]
-        if block.attn.qkv.bias is not None:
-            slices.append(_sl(attn, "qkv.bias", 0, qkv))
-        groups.append(UnitGroup(attn, "heads", heads, slices, outputs=[attn], count_attrs=[f"{attn}.num_heads"]))
-    return groups
+    return SwinTransformerBlock
 
 
-FAMILY_UNITS = {"llama": llama_units, "resnet": resnet_units, "swin": swin_units}
+# ---------------------------------------------------------------- one mechanism for every family
+
+
+@dataclass(frozen=True)
+class FamilyRule:
+    """Where a family's units are: its block type, the block's residual branch and the
+    modules whose outputs join the residual stream, how a dropped block is skipped,
+    and the neuron-level groups inside a block."""
+
+    block_type: Callable[[], type]  # imported lazily
+    branch: list[str]
+    outputs: list[str]
+    skip: Callable[[nn.Module], nn.Module]
+    neurons: Callable[[str, nn.Module], list[UnitGroup]]
+
+
+RULES = {
+    "llama": FamilyRule(
+        _llama_block_type,
+        branch=["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
+        outputs=["self_attn", "mlp"],
+        skip=lambda _: _SkippedDecoderLayer(),
+        neurons=_llama_neurons,
+    ),
+    "resnet": FamilyRule(
+        _resnet_block_type,
+        branch=["conv1", "bn1", "conv2", "bn2"],
+        outputs=["bn2"],
+        skip=_SkippedBasicBlock,
+        neurons=_resnet_neurons,
+    ),
+    "swin": FamilyRule(
+        _swin_block_type,
+        branch=["norm1", "attn", "norm2", "mlp"],
+        outputs=["attn", "mlp"],
+        skip=lambda _: nn.Identity(),
+        neurons=_swin_neurons,
+    ),
+}
 
 
 def unit_spec(model: nn.Module, *, family: str, granularity: str) -> UnitSpec:
     """The unit spec of a plain model of `family` at `granularity` (neuron | block)."""
     if granularity not in GRANULARITIES:
         raise ConfigError("masking.granularity", granularity, f"allowed: {', '.join(GRANULARITIES)}")
-    groups = FAMILY_UNITS[family](model, granularity)
+    rule = RULES[family]
+    block_type = rule.block_type()
+    groups = []
+    for path, block in model.named_modules():
+        if isinstance(block, block_type):
+            groups += [_block_group(path, block, rule)] if granularity == "block" else rule.neurons(path, block)
     if not groups:
         raise ValueError(f"found no {granularity} units in {type(model).__name__}")
     owned = {s.name for g in groups for s in g.slices}
