@@ -6,7 +6,7 @@ import torch
 from sdp.config import typed_config
 from sdp.models import build_model
 from sdp.subnet import MaskingConfig
-from sdp.subnet.apply import apply_forward_masking
+from sdp.subnet.apply import apply_forward_masking, fold_eval_scaling
 from sdp.subnet.strategy import plan_mask
 
 MODELS = {
@@ -104,3 +104,19 @@ def test_batchnorm_recalibration_recomputes_statistics(tmp_path):
         assert bn.momentum == 0.1 and not model.training
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_folded_eval_scaling_equals_scaling_the_site_outputs(family):
+    """eval_coverage is folded into the output modules' weights: the plain model then computes
+    the full model with every block branch's output x C."""
+    masking = MaskingConfig(name="forward", granularity="block", coverage=0.5)
+    hooked, folded = _plain(family).eval(), _plain(family).eval()
+    spec, _ = plan_mask(hooked, masking, family=family, world_size=4)
+    for group in spec.groups:
+        for out in group.outputs:
+            hooked.get_submodule(out).register_forward_hook(lambda mod, args, output: output * 0.5)
+    fold_eval_scaling(folded, spec, 0.5)
+    x = _input(family)
+    torch.testing.assert_close(_out(folded, x), _out(hooked, x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_out(folded, x), _out(_plain(family).eval(), x))

@@ -5,7 +5,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import launch, read_run
+
+from sdp.config import typed_config
+from sdp.models import build_model
 
 pytestmark = pytest.mark.dist
 
@@ -62,6 +66,7 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert summary["tokens_or_samples_per_s"] > 0
     if family == "resnet":
         assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
+        _load_plain(run_dir, FAMILIES[family][:2])
 
 
 def test_bad_override_fails_before_any_process_group(tmp_path):
@@ -86,14 +91,22 @@ def test_failure_after_launch_is_recorded_in_the_summary(tmp_path):
     assert summary["error"].startswith("ConfigError: trainer.global_batch_size='16 per rank': must be <= 8")
 
 
-def test_sdp_run_through_the_entrypoint(tmp_path):
-    """masking=forward at block level end to end: summary carries the mask and the real (smaller) bytes."""
+def _load_plain(run_dir: Path, overrides: list[str]) -> torch.nn.Module:
+    """The run's model.pt loaded, strictly, into a freshly built plain model."""
+    model = build_model(typed_config(overrides)[1].model)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_sdp_run_through_the_entrypoint(tmp_path, mode):
+    """SDP at block level end to end: the summary carries the mask and the real (smaller) bytes,
+    and model.pt is the evaluated full model, loadable into the plain model."""
     run_dir = tmp_path / "run"
-    overrides = [
-        "model=resnet_tiny",
-        "dataset=synthetic_image",
+    model = ["model=resnet_tiny", "dataset=synthetic_image"]
+    overrides = model + [
         "logger=none",
-        "masking=forward",
+        f"masking={mode}",
         "masking.granularity=block",
         "masking.coverage=0.5",
         "masking.bn_recalibration_batches=2",
@@ -107,11 +120,14 @@ def test_sdp_run_through_the_entrypoint(tmp_path):
     proc = launch(overrides, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary, records = read_run(run_dir)
-    assert summary["status"] == "completed" and summary["masking"] == "forward"
-    assert summary["granularity"] == "block" and summary["scale"] == "eval_coverage"
+    assert summary["status"] == "completed" and summary["masking"] == mode and summary["granularity"] == "block"
     assert summary["mask"]["holders_per_unit"] == 1 and summary["mask"]["spectral_gap"] == 0.0
-    # The largest rank holds blocks 1 and 3 of 4 (layer2, layer4) and the shared tensors: not the full model.
-    assert summary["memory"]["params_bytes"] < 4 * summary["n_params"]
-    assert summary["comm_bytes_per_step_by_kind"]["grad_sync"] == 0  # r = 1: unit gradients stay local
-    assert summary["comm_bytes_per_step_by_kind"]["shared_sync"] == 4 * summary["shared_params"]
+    kinds = summary["comm_bytes_per_step_by_kind"]
+    assert kinds["grad_sync"] == 0  # r = 1: unit gradients stay on their only holder
+    assert kinds["shared_sync"] == 4 * summary["shared_params"]
+    assert (kinds["weight_refresh"] > 0) == (mode == "backward")
+    # The largest rank holds blocks 1 and 3 of 4 (layer2, layer4) and the shared tensors, not everything.
+    assert summary["memory"]["grads_bytes"] < 4 * summary["n_params"]
     assert len([r for r in records if "eval_loss" in r]) == 2
+    plain = _load_plain(run_dir, model)
+    assert torch.isfinite(plain(torch.randn(2, 3, 32, 32))).all()

@@ -157,6 +157,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
                 units_per_sample=cfg.dataset.seq_len if data.kind == "text" else 1,
                 calibration=calibration,
                 calibration_batches=cfg.masking.bn_recalibration_batches,
+                model_path=run_dir / "model.pt",
             )
         )
         summary["status"] = "completed"

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0: no clipping
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+    # Write the final evaluated model (assembled under SDP, with its evaluation
+    # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
+    save_model: bool = True
 
 
 def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
@@ -106,8 +110,12 @@ def evaluate(
     device: torch.device,
     calibration: Iterator[dict] | None = None,
     calibration_batches: int = 0,
+    export: Path | None = None,
 ) -> dict:
-    """Loss (and accuracy) over every rank's eval shard, on the full model (assembled under SDP)."""
+    """Loss (and accuracy) over every rank's eval shard, on the full model (assembled under SDP).
+
+    With `export`, that model's plain state dict is also saved there (by the caller's rank 0).
+    """
     # [sum of per-target losses, number of targets, correct predictions]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     with strategy.eval_model() as full:
@@ -120,6 +128,8 @@ def evaluate(
             totals[0] += loss.double() * n
             totals[1] += n
             totals[2] += (logits.argmax(-1) == batch["targets"]).sum()
+        if export is not None:
+            torch.save(strategy.plain_state_dict(full), export)
     dist.all_reduce_(totals)
     loss_sum, count, correct = totals.tolist()
     if count == 0:
@@ -146,6 +156,7 @@ def train(
     units_per_sample: int,
     calibration: Iterator[dict] | None = None,
     calibration_batches: int = 0,
+    model_path: Path | None = None,
 ) -> dict:
     """Run `cfg.max_steps` optimizer steps; returns the loop's part of `summary.json`.
 
@@ -209,8 +220,14 @@ def train(
             window_loss.zero_()
             window_steps = 0
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            final = step == cfg.max_steps and cfg.save_model and world.is_main
             evals = evaluate(
-                strategy, data, device=device, calibration=calibration, calibration_batches=calibration_batches
+                strategy,
+                data,
+                device=device,
+                calibration=calibration,
+                calibration_batches=calibration_batches,
+                export=model_path if final else None,
             )
             logger.log({"step": step, **evals})
             if world.is_main:

@@ -71,6 +71,11 @@ class Strategy:
         """Every parameter of the plain model by its plain name, current on every rank (collective)."""
         raise NotImplementedError
 
+    def plain_state_dict(self, eval_model: nn.Module) -> dict[str, torch.Tensor]:
+        """The state dict of `eval_model` (from `eval_model()`) under the plain model's names:
+        it loads into the plain model with `load_state_dict(..., strict=True)`."""
+        return eval_model.state_dict()
+
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         raise NotImplementedError
 

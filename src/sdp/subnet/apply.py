@@ -91,15 +91,11 @@ def _coalesce(entries: list[GradEntry]) -> list[GradEntry]:
 # --------------------------------------------------------------------- forward masking
 
 
-def add_scale_hook(module: nn.Module, factor: float, *, training_only: bool) -> None:
-    """Multiply the module's output (or the first element of a tuple output) by `factor`."""
+def add_scale_hook(module: nn.Module, factor: float) -> None:
+    """Multiply the module's output by `factor` in training (forward masking's inverse coverage)."""
 
     def hook(mod, args, output):
-        if training_only and not mod.training:
-            return output
-        if isinstance(output, tuple):
-            return (output[0] * factor, *output[1:])
-        return output * factor
+        return output * factor if mod.training else output
 
     module.register_forward_hook(hook)
 
@@ -119,7 +115,7 @@ def apply_forward_masking(
                 setattr(parent, attr, group.skip(model.get_submodule(group.name)))
             elif scale == "inverse_coverage":
                 for out in group.outputs:
-                    add_scale_hook(model.get_submodule(out), mask.num_workers / mask.holders, training_only=True)
+                    add_scale_hook(model.get_submodule(out), mask.num_workers / mask.holders)
             continue
         if held.size == 0:
             raise ConfigError(
@@ -133,7 +129,7 @@ def apply_forward_masking(
             setattr(owner, attr, int(held.size))
         if scale == "inverse_coverage" and held.size < group.num_units:
             for out in group.outputs:
-                add_scale_hook(model.get_submodule(out), group.num_units / held.size, training_only=True)
+                add_scale_hook(model.get_submodule(out), group.num_units / held.size)
     for lt in locals_.values():
         if lt.dim is not None and not lt.whole:
             _slice_tensor(model, lt)
@@ -163,13 +159,15 @@ def _slice_tensor(model: nn.Module, lt: LocalTensor) -> None:
         owner.register_buffer(attr, held, persistent=attr not in owner._non_persistent_buffers_set)
 
 
-def add_eval_scaling(full: nn.Module, spec: UnitSpec, coverage: float) -> None:
-    """Stochastic-depth style evaluation: every unit site's output of the full model x coverage."""
-    if coverage == 1.0:
-        return
-    for group in spec.groups:
-        for out in group.outputs:
-            add_scale_hook(full.get_submodule(out), coverage, training_only=False)
+@torch.no_grad()
+def fold_eval_scaling(full: nn.Module, spec: UnitSpec, coverage: float) -> None:
+    """Stochastic-depth style evaluation: every unit site's output x coverage, folded into the
+    weight and bias of the site's affine output module, so the plain model computes it."""
+    for name in sorted({out for group in spec.groups for out in group.outputs}):
+        module = full.get_submodule(name)
+        module.weight.mul_(coverage)
+        if module.bias is not None:
+            module.bias.mul_(coverage)
 
 
 def forward_assembly(

@@ -14,10 +14,10 @@ from sdp.metrics.memory import static_bytes
 from sdp.parallel import Strategy
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
-    add_eval_scaling,
     apply_backward_masking,
     apply_forward_masking,
     backward_buffer_sync,
+    fold_eval_scaling,
     forward_assembly,
 )
 from sdp.subnet.mask import Mask, build_mask, mask_stats
@@ -129,7 +129,7 @@ class SDPStrategy(Strategy):
             )
             model = self.model
         else:
-            model = self.assemble()
+            model = self.assemble(fold_eval_scale=True)
         was_training = model.training
         model.eval()
         try:
@@ -138,8 +138,9 @@ class SDPStrategy(Strategy):
             model.train(was_training)
 
     @torch.no_grad()
-    def assemble(self) -> nn.Module:
-        """The full plain model, gathered from the holders (forward masking)."""
+    def assemble(self, *, fold_eval_scale: bool) -> nn.Module:
+        """The full plain model, gathered from the holders (forward masking); with
+        `fold_eval_scale`, as evaluated (masking.scale=eval_coverage folded into its weights)."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             full = self.make_plain()  # its random init must not move the training RNG streams
         local = dict(self.model.named_parameters())
@@ -149,21 +150,29 @@ class SDPStrategy(Strategy):
         broadcast_from_holders(
             transfers, rank=self.rank, comm=None, kind="assembly", bucket_cap_mb=self.bucket_cap_mb, device=self.device
         )
-        if resolved_scale(self.cfg) == "eval_coverage":
-            add_eval_scaling(full, self.spec, self.mask.holders / self.mask.num_workers)
+        if fold_eval_scale and resolved_scale(self.cfg) == "eval_coverage":
+            fold_eval_scaling(full, self.spec, self.mask.holders / self.mask.num_workers)
         return full
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the plain model by its plain name, current on every rank (collective)."""
         if self.cfg.name == "forward":
-            return dict(self.assemble().named_parameters())
+            return dict(self.assemble(fold_eval_scale=False).named_parameters())
         out = {}
         for name in self.plain_names:
             owner_path, _, attr = name.rpartition(".")
             owner = self.model.get_submodule(owner_path) if owner_path else self.model
             out[name] = owner._buffers.get(f"{attr}_full", getattr(owner, attr))
         return out
+
+    def plain_state_dict(self, eval_model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.cfg.name == "forward":
+            return eval_model.state_dict()  # the assembled plain model
+        # Backward masking evaluates its own model: drop the held-range views and put
+        # the full weights back under their plain names.
+        state = {k: v for k, v in eval_model.state_dict().items() if "_held_ranges." not in k}
+        return {**state, **self.full_parameters()}
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return static_bytes([*self.model.parameters(), *self.subnet.weight_tensors], optimizer)

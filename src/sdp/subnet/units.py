@@ -52,8 +52,10 @@ class UnitGroup:
     kind: str  # ffn | heads | channels | block
     num_units: int
     slices: list[TensorSlice]
-    # Modules whose output is the site's contribution to the residual stream;
-    # forward masking rescales it (see MaskingConfig.scale).
+    # The affine modules (Linear, Conv2d, BatchNorm) whose outputs are the site's
+    # contribution to the residual stream. Forward masking rescales these outputs
+    # (see MaskingConfig.scale); being affine, a scale can also be folded into
+    # their weight and bias.
     outputs: list[str] = field(default_factory=list)
     # Integer module attributes that must equal the number of units a rank
     # holds after slicing (timm's WindowAttention.num_heads).
@@ -117,7 +119,8 @@ def _ffn_group(path: str, *, rows: list[str], cols: list[str], n: int) -> UnitGr
     """Hidden units of a two-layer MLP: `rows` of the input projections, `cols` of the output one."""
     unit = _runs(n, 1)
     slices = [_sl(path, name, 0, unit) for name in rows] + [_sl(path, name, 1, unit) for name in cols]
-    return UnitGroup(path, "ffn", n, slices, outputs=[path])
+    out_proj = cols[0].rsplit(".", 1)[0]
+    return UnitGroup(path, "ffn", n, slices, outputs=[f"{path}.{out_proj}"])
 
 
 # ---------------------------------------------------------------- LLaMA (transformers)
@@ -148,7 +151,7 @@ def _llama_neurons(path: str, layer: nn.Module) -> list[UnitGroup]:
     for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
         if getattr(layer.self_attn, proj).bias is not None:
             slices.append(_sl(attn, f"{proj}.bias", 0, rows))
-    return [ffn, UnitGroup(attn, "heads", kv, slices, outputs=[attn])]
+    return [ffn, UnitGroup(attn, "heads", kv, slices, outputs=[f"{attn}.o_proj"])]
 
 
 def _llama_block_type() -> type:
@@ -216,7 +219,8 @@ def _swin_neurons(path: str, block: nn.Module) -> list[UnitGroup]:
     ]
     if block.attn.qkv.bias is not None:
         slices.append(_sl(attn, "qkv.bias", 0, qkv))
-    return [ffn, UnitGroup(attn, "heads", heads, slices, outputs=[attn], count_attrs=[f"{attn}.num_heads"])]
+    heads_group = UnitGroup(attn, "heads", heads, slices, outputs=[f"{attn}.proj"], count_attrs=[f"{attn}.num_heads"])
+    return [ffn, heads_group]
 
 
 def _swin_block_type() -> type:
@@ -245,7 +249,7 @@ RULES = {
     "llama": FamilyRule(
         _llama_block_type,
         branch=["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
-        outputs=["self_attn", "mlp"],
+        outputs=["self_attn.o_proj", "mlp.down_proj"],
         skip=lambda _: _SkippedDecoderLayer(),
         neurons=_llama_neurons,
     ),
@@ -259,7 +263,7 @@ RULES = {
     "swin": FamilyRule(
         _swin_block_type,
         branch=["norm1", "attn", "norm2", "mlp"],
-        outputs=["attn", "mlp"],
+        outputs=["attn.proj", "mlp.fc2"],
         skip=lambda _: nn.Identity(),
         neurons=_swin_neurons,
     ),
