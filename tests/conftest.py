@@ -9,6 +9,12 @@ from pathlib import Path
 
 from sdp.compare import torchrun_command
 
+# The tiny model of each family and a dataset of its kind, shared by the SDP tests.
+TINY_MODELS = {
+    "llama": ("llama_tiny", "synthetic_text"),
+    "resnet": ("resnet_tiny", "synthetic_image"),
+    "swin": ("swin_tiny", "synthetic_image"),
+}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
 os.environ.update(OFFLINE_ENV)
 
@@ -29,3 +35,11 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, records
+
+
+def tiny_model_cfg(family: str):
+    """The typed model config of the family's tiny model."""
+    from sdp.config import typed_config
+
+    model, dataset = TINY_MODELS[family]
+    return typed_config([f"model={model}", f"dataset={dataset}"])[1].model

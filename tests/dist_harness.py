@@ -13,8 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from conftest import TINY_MODELS, tiny_model_cfg
 
-from sdp.config import typed_config
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
@@ -23,17 +23,7 @@ from sdp.subnet import MaskingConfig
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import forward_loss
 
-MODELS = {
-    "llama": ("llama_tiny", "synthetic_text"),
-    "resnet": ("resnet_tiny", "synthetic_image"),
-    "swin": ("swin_tiny", "synthetic_image"),
-}
 CPU = torch.device("cpu")
-
-
-def model_cfg(family: str):
-    model, dataset = MODELS[family]
-    return typed_config([f"model={model}", f"dataset={dataset}"])[1].model
 
 
 def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
@@ -46,7 +36,7 @@ def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
 
 
 def make(family: str, masking: MaskingConfig | None, comm: CommCounter):
-    cfg = model_cfg(family)
+    cfg = tiny_model_cfg(family)
     torch.manual_seed(0)
     if masking is None:
         return DDPStrategy(build_model(cfg), ParallelConfig(), device=CPU, comm=comm)
@@ -92,7 +82,7 @@ def max_diff(a: dict, b: dict) -> float:
 def equivalence() -> dict:
     """C = 1: every SDP variant against DDP, parameters after a few steps."""
     out = {}
-    for family in MODELS:
+    for family in TINY_MODELS:
         ddp = make(family, None, CommCounter())
         train(ddp, family, steps=3)
         ref = {k: v.clone() for k, v in ddp.full_parameters().items()}
@@ -108,7 +98,7 @@ def equivalence() -> dict:
 def full_grads(family: str, rank: int) -> dict[str, torch.Tensor]:
     """The full model's gradient on `rank`'s first batch, computed in this process alone."""
     torch.manual_seed(0)
-    model = build_model(model_cfg(family)).train()
+    model = build_model(tiny_model_cfg(family)).train()
     loss, _ = forward_loss(model, batch(family, rank, 0))
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -185,14 +175,14 @@ def holders_check(family: str, gran: str) -> dict:
 def _predicted_held(sdp: SDPStrategy, family: str, rank: int) -> int:
     """Trainable elements predicted from the unit spec and the mask alone (not from the built submodel)."""
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in build_model(model_cfg(family)).named_parameters()}
+        shapes = {n: p.shape for n, p in build_model(tiny_model_cfg(family)).named_parameters()}
     shared = sum(shapes[n].numel() for n in sdp.spec.shared_params)
     units = sum(sdp.mask.held_units(rank, g).size * group.unit_numel(shapes) for g, group in enumerate(sdp.spec.groups))
     return shared + units
 
 
 def holders() -> dict:
-    return {f"{family}-{gran}": holders_check(family, gran) for family in MODELS for gran in ("neuron", "block")}
+    return {f"{family}-{gran}": holders_check(family, gran) for family in TINY_MODELS for gran in ("neuron", "block")}
 
 
 if __name__ == "__main__":

@@ -2,25 +2,17 @@
 
 import pytest
 import torch
+from conftest import TINY_MODELS, tiny_model_cfg
 
-from sdp.config import typed_config
 from sdp.models import build_model
 from sdp.subnet import MaskingConfig
 from sdp.subnet.apply import apply_forward_masking, fold_eval_scaling
 from sdp.subnet.strategy import plan_mask
 
-MODELS = {
-    "llama": ("llama_tiny", "synthetic_text"),
-    "resnet": ("resnet_tiny", "synthetic_image"),
-    "swin": ("swin_tiny", "synthetic_image"),
-}
-
 
 def _plain(family: str):
-    model, dataset = MODELS[family]
-    cfg = typed_config([f"model={model}", f"dataset={dataset}"])[1].model
     torch.manual_seed(0)
-    model = build_model(cfg).train()
+    model = build_model(tiny_model_cfg(family)).train()
     with torch.no_grad():  # non-trivial biases and norms, so that a wrongly kept slice would show
         for name, p in model.named_parameters():
             if name.endswith("bias") or p.dim() == 1:
@@ -38,7 +30,7 @@ def _input(family: str):
     return torch.randint(0, 4096, (2, 16), generator=g) if family == "llama" else torch.randn(4, 3, 32, 32, generator=g)
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", TINY_MODELS)
 @pytest.mark.parametrize("gran", ["neuron", "block"])
 @pytest.mark.parametrize("rank", [0, 3])
 def test_submodel_equals_full_model_with_dropped_units_zeroed(family, gran, rank):
@@ -106,7 +98,7 @@ def test_batchnorm_recalibration_recomputes_statistics(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", TINY_MODELS)
 def test_folded_eval_scaling_equals_scaling_the_site_outputs(family):
     """eval_coverage is folded into the output modules' weights: the plain model then computes
     the full model with every block branch's output x C."""

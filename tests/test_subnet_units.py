@@ -2,23 +2,15 @@
 
 import pytest
 import torch
+from conftest import TINY_MODELS, tiny_model_cfg
 
-from sdp.config import typed_config
 from sdp.models import build_model
 from sdp.subnet.units import unit_spec
 
-MODELS = {
-    "llama": ("llama_tiny", "synthetic_text"),
-    "resnet": ("resnet_tiny", "synthetic_image"),
-    "swin": ("swin_tiny", "synthetic_image"),
-}
-
 
 def _model(family: str):
-    model_name, dataset = MODELS[family]
-    _, cfg = typed_config([f"model={model_name}", f"dataset={dataset}"])
     torch.manual_seed(0)
-    model = build_model(cfg.model).eval()
+    model = build_model(tiny_model_cfg(family)).eval()
     with torch.no_grad():  # fresh biases and BatchNorms are constant: a permutation could not show on them
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
@@ -40,7 +32,7 @@ def _logits(model, x):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", TINY_MODELS)
 @pytest.mark.parametrize("granularity", ["neuron", "block"])
 def test_units_and_shared_tensors_partition_the_model(family, granularity):
     model = _model(family)
@@ -59,7 +51,7 @@ def test_units_and_shared_tensors_partition_the_model(family, granularity):
             assert sorted(s.index.flatten().tolist()) == list(range(tensors[s.name].shape[s.dim])), s.name
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", TINY_MODELS)
 def test_permuting_units_leaves_the_function_unchanged(family):
     """If a slice were missing from a unit, or indexed wrongly, a permutation of the
     units (applied to every slice of the group) would change the output."""

@@ -16,8 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, cache_root, require_at_least
-from sdp.data.loaders import map_style_bundle
-from sdp.data.packing import TokenRows
+from sdp.data.packing import token_bundle
 from sdp.data.tokenizer import LOCAL_EOS, TextTokenizer, encode_docs, train_bpe, wrap_tokenizer
 from sdp.errors import ConfigError
 
@@ -163,13 +162,7 @@ def build(cfg: DataConfig, place: Placement) -> DataBundle:
     if not _is_complete(directory):
         raise RuntimeError(f"no complete local_text cache at {directory}: call prepare_data before build_data")
     train, evaluation = (np.load(directory / f"{s}.npy", mmap_mode="r") for s in SPLITS)
-    return map_style_bundle(
-        cfg,
-        train=TokenRows(train, seq_len=cfg.seq_len),
-        evaluation=TokenRows(evaluation, seq_len=cfg.seq_len),
-        place=place,
-        vocab_size=cfg.vocab_size,
-    )
+    return token_bundle(cfg, train, evaluation, place)
 
 
 def vocab_size(cfg: DataConfig) -> int:

@@ -5,7 +5,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from sdp.data.loaders import EpochDataset
+from sdp.data.core import DataBundle, DataConfig, Placement
+from sdp.data.loaders import EpochDataset, map_style_bundle
 
 
 def rows_to_batch(rows: np.ndarray) -> dict:
@@ -47,3 +48,14 @@ def packed_batches(chunks: Iterable[np.ndarray], *, seq_len: int, batch_size: in
         for i in range(full):
             yield rows_to_batch(carry[i * block : (i + 1) * block].reshape(batch_size, seq_len + 1))
         carry = carry[full * block :]
+
+
+def token_bundle(cfg: DataConfig, train: np.ndarray, evaluation: np.ndarray, place: Placement) -> DataBundle:
+    """The DataBundle of flat token arrays: rows of seq_len+1 tokens, sharded over ranks."""
+    return map_style_bundle(
+        cfg,
+        train=TokenRows(train, seq_len=cfg.seq_len),
+        evaluation=TokenRows(evaluation, seq_len=cfg.seq_len),
+        place=place,
+        vocab_size=cfg.vocab_size,
+    )

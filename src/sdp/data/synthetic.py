@@ -10,7 +10,7 @@ import torch
 from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, no_vocab, nothing_to_prepare, require_at_least
 from sdp.data.images import TensorImages
 from sdp.data.loaders import map_style_bundle
-from sdp.data.packing import TokenRows
+from sdp.data.packing import token_bundle
 
 DATA_SEED = 0
 # Uniform random pixels: mean 0.5, std 1/sqrt(12).
@@ -28,13 +28,7 @@ def build_text(cfg: DataConfig, place: Placement) -> DataBundle:
     train, evaluation = (
         rng.integers(0, cfg.vocab_size, size=n * (cfg.seq_len + 1)) for n in (cfg.num_samples, cfg.num_eval_samples)
     )
-    return map_style_bundle(
-        cfg,
-        train=TokenRows(train, seq_len=cfg.seq_len),
-        evaluation=TokenRows(evaluation, seq_len=cfg.seq_len),
-        place=place,
-        vocab_size=cfg.vocab_size,
-    )
+    return token_bundle(cfg, train, evaluation, place)
 
 
 def validate_image(cfg: DataConfig, *, offline: bool) -> None:
