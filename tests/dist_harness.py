@@ -20,6 +20,7 @@ from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.subnet import MaskingConfig
+from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import forward_loss
 
@@ -53,11 +54,12 @@ def make(family: str, masking: MaskingConfig | None, comm: CommCounter):
     )
 
 
-def train(strategy, family: str, *, steps: int):
-    optimizer = build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
+def train(strategy, family: str, *, steps: int, optimizer=None, first: int = 0):
+    """`steps` optimizer steps (numbered from `first`), with a new AdamW unless one is given."""
+    optimizer = optimizer or build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
     rank = dist.get_rank()
     strategy.model.train()
-    for step in range(steps):
+    for step in range(first, first + steps):
         optimizer.zero_grad(set_to_none=True)
         loss, _ = forward_loss(strategy.model, batch(family, rank, step))
         loss.backward()
@@ -169,6 +171,61 @@ def holders_check(family: str, gran: str) -> dict:
     digest = hashlib.sha256(sdp.mask.matrix().tobytes()).hexdigest()
     res["mask_identical_on_all_ranks"] = len(set(gathered(digest))) == 1
     res["stats"] = sdp.describe()["mask"]
+    for mode in ("backward", "forward"):
+        res[f"resample_{mode}"] = resample_check(family, gran, mode)
+    return res
+
+
+def _state(sdp: SDPStrategy, optimizer) -> dict:
+    """The optimizer state of every unit and shared tensor in plain coordinates (collective)."""
+    full, scalars = gather_state(
+        optimizer,
+        sdp.subnet.grad_entries,
+        sdp.chunks,
+        shapes=sdp.shapes,
+        rank=dist.get_rank(),
+        comm=CommCounter(),
+        bucket_cap_mb=1,
+        device=CPU,
+    )
+    return {f"{key}/{name}": t for key, per_name in full.items() for name, t in per_name.items()}, scalars
+
+
+def resample_check(family: str, gran: str, mode: str) -> dict:
+    """K workers, C = 0.5: two steps, a resample, one more step. The resample must not change the
+    model or any unit's optimizer state; only where they live."""
+    rank = dist.get_rank()
+    comm = CommCounter()
+    sdp = make(family, MaskingConfig(name=mode, granularity=gran, coverage=0.5, resample_every=2), comm)
+    optimizer = train(sdp, family, steps=2)
+    before = {k: v.clone() for k, v in sdp.full_parameters().items()}
+    state_before, scalars_before = _state(sdp, optimizer)
+    old_mask = sdp.mask.matrix()
+    assert not sdp.resample(1, optimizer)  # not a multiple of resample_every
+    changed = sdp.resample(2, optimizer)
+    res = {"changed": changed, "mask_moved": bool((sdp.mask.matrix() != old_mask).any()), "epoch": sdp.epoch}
+    res["weights_diff"] = max(gathered(max_diff(before, sdp.full_parameters())))
+    state_after, scalars_after = _state(sdp, optimizer)
+    res["state_diff"] = max(gathered(max_diff(state_before, state_after)))
+    res["state_nonzero"] = min(gathered(min(t.abs().sum().item() for t in state_before.values())))
+    res["steps_kept"] = [scalars_before["step"].item(), scalars_after["step"].item()]
+    # Every holder's placed state (not only the sender's) is the unit's state.
+    local = 0.0
+    for e in sdp.subnet.grad_entries:
+        st = optimizer.state[e.piece.tensor]
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = max(local, (e.piece.view(st[key]) - _at(state_before[f"{key}/{e.name}"], e)).abs().max().item())
+    res["holder_state_diff"] = max(gathered(local))
+    res["optimizer_tracks_trainable"] = gathered(
+        [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in sdp.trainable()]
+        and set(optimizer.state) == set(sdp.trainable())
+    )
+    train(sdp, family, steps=1, optimizer=optimizer, first=2)  # the new subnetwork trains on
+    held = _predicted_held(sdp, family, rank)
+    params = 4 * sdp.full_params if mode == "backward" else 4 * held
+    predicted = {"params_bytes": params, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
+    res["bytes"] = gathered([sdp.memory(optimizer), predicted])
+    res["resample_bytes"] = sum(gathered(comm.end_step().get("resample", 0)))
     return res
 
 

@@ -104,7 +104,9 @@ def test_hub_access_while_offline():
         ("logger.mode=cloud", "logger.mode"),
         ("trainer.device=tpu", "trainer.device"),
         ("masking.coverage=0.5", "masking.coverage"),
+        ("masking.resample_every=10", "masking.resample_every"),
+        ("masking=forward masking.resample_every=-1", "masking.resample_every"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
-    assert _error(["dataset=synthetic_image", override]).startswith(key)
+    assert _error(["dataset=synthetic_image", *override.split()]).startswith(key)

@@ -74,3 +74,21 @@ def test_forward_masking_assembles_the_same_model_everywhere(holders, family, gr
     assert res["local_vs_assembled"] == 0.0  # each held unit is assembled from (identical) holders
     assert res["mask_identical_on_all_ranks"]
     assert res["stats"]["holders_min"] == res["stats"]["holders_max"] == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gran", ["neuron", "block"])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_resampling_moves_weights_and_optimizer_state_exactly(holders, family, gran, mode):
+    # K = 4, C = 0.5, resample_every = 2: two AdamW steps, resample, one more step.
+    res = holders[f"{family}-{gran}"][f"resample_{mode}"]
+    assert res["changed"] and res["mask_moved"] and res["epoch"] == 1
+    assert res["weights_diff"] == 0.0  # the full model is the same before and after
+    assert res["state_nonzero"] > 0
+    assert res["state_diff"] == 0.0  # so is every unit's optimizer state, in plain coordinates
+    assert res["holder_state_diff"] == 0.0  # on every one of its new holders
+    assert res["steps_kept"] == [2.0, 2.0]
+    assert all(res["optimizer_tracks_trainable"])
+    assert res["resample_bytes"] > 0
+    for measured, predicted in res["bytes"]:  # the new subnetwork's bytes, from the new mask
+        assert measured == predicted

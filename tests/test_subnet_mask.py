@@ -88,3 +88,39 @@ def test_every_chunk_is_sent_by_one_of_its_holders(construction):
         assert all(src in hs for hs, src in zip(holders, sources, strict=True))
     if construction == "cyclic":  # each worker sends exactly one chunk of every group
         assert all(sorted(sources) == [0, 1, 2, 3] for sources in mask.chunk_source)
+
+
+def _runs(mask, worker: int, group: int) -> int:
+    """Contiguous runs of unit indices `worker` holds in `group`."""
+    held = mask.held_units(worker, group)
+    return int(held.size > 0) + int(np.count_nonzero(np.diff(held) > 1))
+
+
+@pytest.mark.parametrize("construction", ["cyclic", "random"])
+def test_resampled_masks_keep_the_invariants_and_change_the_subnetworks(construction):
+    k, r = 4, 2
+    base = build_mask(SIZES, num_workers=k, coverage=0.5, construction=construction, group_kinds=KINDS)
+    epochs = [
+        build_mask(SIZES, num_workers=k, coverage=0.5, construction=construction, group_kinds=KINDS, epoch=e)
+        for e in range(1, 6)
+    ]
+    again = build_mask(SIZES, num_workers=k, coverage=0.5, construction=construction, group_kinds=KINDS, epoch=1)
+    assert np.array_equal(again.matrix(), epochs[0].matrix())  # a pure function of (seed, epoch)
+    for mask in epochs:
+        assert (mask.matrix().sum(axis=0) == r).all()
+        for g, n in enumerate(SIZES):
+            held = [mask.held_units(w, g).size for w in range(k)]
+            assert sum(held) == r * n
+            if construction == "cyclic":
+                assert max(held) - min(held) <= r
+            # Shifted chunk boundaries wrap around at most once per chunk: each of a
+            # worker's r chunks is at most two contiguous runs.
+            assert all(_runs(mask, w, g) <= 2 * r for w in range(k))
+        if construction == "cyclic":  # each kind's block loads are epoch 0's, handed to other workers
+            blocks = sorted(sum(mask.held_units(w, g).size for g in range(4, 8)) for w in range(k))
+            assert blocks == sorted(sum(base.held_units(w, g).size for g in range(4, 8)) for w in range(k))
+    distinct = {base.matrix().tobytes(), *(m.matrix().tobytes() for m in epochs)}
+    assert len(distinct) == 6
+    # Over the epochs, a worker's FFN units of layer 0 do not stay the same set.
+    firsts = {tuple(m.held_units(0, 0)) for m in epochs}
+    assert len(firsts) > 1

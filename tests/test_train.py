@@ -100,8 +100,9 @@ def _load_plain(run_dir: Path, overrides: list[str]) -> torch.nn.Module:
 
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sdp_run_through_the_entrypoint(tmp_path, mode):
-    """SDP at block level end to end: the summary carries the mask and the real (smaller) bytes,
-    and model.pt is the evaluated full model, loadable into the plain model."""
+    """SDP at block level end to end, with the mask resampled after step 2: the summary carries
+    the mask and the real (smaller) bytes, and model.pt is the evaluated full model, loadable
+    into the plain model."""
     run_dir = tmp_path / "run"
     model = ["model=resnet_tiny", "dataset=synthetic_image"]
     overrides = model + [
@@ -110,6 +111,7 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
         "masking.granularity=block",
         "masking.coverage=0.5",
         "masking.bn_recalibration_batches=2",
+        "masking.resample_every=2",
         "trainer.max_steps=4",
         "trainer.eval_every=2",
         "trainer.global_batch_size=32",
@@ -126,7 +128,8 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
     assert kinds["grad_sync"] == 0  # r = 1: unit gradients stay on their only holder
     assert kinds["shared_sync"] == 4 * summary["shared_params"]
     assert (kinds["weight_refresh"] > 0) == (mode == "backward")
-    # The largest rank holds blocks 1 and 3 of 4 (layer2, layer4) and the shared tensors, not everything.
+    assert kinds["resample"] > 0 and summary["resample_every"] == 2
+    # Before and after the resample, each rank holds 2 of the 4 blocks and the shared tensors, not everything.
     assert summary["memory"]["grads_bytes"] < 4 * summary["n_params"]
     assert len([r for r in records if "eval_loss" in r]) == 2
     plain = _load_plain(run_dir, model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -63,3 +64,12 @@ def lr_factor(step: int, *, cfg: OptimConfig, max_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg=cfg, max_steps=max_steps))
+
+
+def rebind(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: dict) -> None:
+    """Point a one-group optimizer at new parameters with the given state (SDP's mask
+    resampling); its hyperparameters and the lr schedule driving it carry on."""
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(f"rebind needs an optimizer with one parameter group, got {len(optimizer.param_groups)}")
+    optimizer.param_groups[0]["params"] = list(params)
+    optimizer.state = defaultdict(dict, state)

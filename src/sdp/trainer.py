@@ -176,7 +176,7 @@ def train(
     model = strategy.model
     model.train()
     train_time, window_loss, window_steps = 0.0, torch.zeros((), device=device), 0
-    memory, last = None, {}
+    memory, measure_memory, last = {}, True, {}
     evals: dict = {}
     for step in range(1, cfg.max_steps + 1):
         t0 = time.perf_counter()
@@ -197,13 +197,18 @@ def train(
         optimizer.step()
         strategy.after_step()
         scheduler.step()
+        resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
+        if resampled:
+            model = strategy.model
+            model.train()
         comm.end_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0
         window_steps += 1
-        if memory is None:  # gradients and optimizer state exist from the first step on
-            memory = strategy.memory(optimizer)
+        if measure_memory:  # gradients and optimizer state exist from the first step on
+            memory = _elementwise_max(memory, strategy.memory(optimizer))
+        measure_memory = resampled  # a new subnetwork: measure it after its first step
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -249,6 +254,10 @@ def train(
         "comm_bytes_per_step": comm_max.pop("total"),
         "comm_bytes_per_step_by_kind": comm_max,
     }
+
+
+def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: max(a.get(k, v), v) for k, v in b.items()}
 
 
 def _max_over_ranks(values: dict[str, float], *, device: torch.device) -> dict[str, float]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 # What is counted: gradient averaging of unit parameters (all of them under DDP),
-# of shared parameters under SDP, and backward masking's refresh of non-held weights.
-COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh")
+# of shared parameters under SDP, backward masking's refresh of non-held weights, and
+# the weights and optimizer state that move when the mask is resampled.
+COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh", "resample")
 
 
 class CommCounter:

@@ -61,6 +61,11 @@ class Strategy:
     def after_step(self) -> None:
         """Called after every optimizer step."""
 
+    def resample(self, step: int, optimizer: torch.optim.Optimizer) -> bool:
+        """Called after optimizer step `step` (not the last): a strategy that changes which
+        tensors this rank trains rebuilds `model` and re-points `optimizer`, and returns True."""
+        return False
+
     @contextlib.contextmanager
     def eval_model(self):
         """The full plain model, current on every rank, in eval mode."""

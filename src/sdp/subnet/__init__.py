@@ -39,6 +39,10 @@ class MaskingConfig:
     # subnetwork, which the full model's activations no longer match (the
     # recalibration of slimmable / once-for-all networks). 0: off.
     bn_recalibration_batches: int = 20
+    # Draw a new mask every this many optimizer steps (IST-style; 0: one mask for the
+    # whole run). Units' weights and optimizer state move from their old holders to
+    # their new ones, so training continues exactly where it was, on new subnetworks.
+    resample_every: int = 0
 
 
 def validate_masking(cfg: MaskingConfig) -> None:
@@ -55,6 +59,12 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.construction", cfg.construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
     if cfg.bn_recalibration_batches < 0:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
+    if cfg.resample_every < 0:
+        raise ConfigError("masking.resample_every", cfg.resample_every, "must be >= 0 (0: never resample)")
+    if cfg.name == "none" and cfg.resample_every:
+        raise ConfigError(
+            "masking.resample_every", cfg.resample_every, "masking=none has no mask to resample: must be 0"
+        )
     if cfg.scale not in SCALES:
         raise ConfigError("masking.scale", cfg.scale, f"allowed: {', '.join(SCALES)}")
 

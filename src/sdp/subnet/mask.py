@@ -14,6 +14,16 @@ whole depth.
 
 The random construction draws, for every (group, chunk), r distinct holders
 uniformly at random: still r holders per unit, but loads vary by worker.
+
+Resampling (IST-style, `masking.resample_every`): mask epoch e > 0 is drawn
+from (seed, e). Each neuron group's chunk boundaries are shifted by a random
+number of units (circularly, so a chunk stays at most two contiguous runs and
+slices stay cheap), and the rotations of the groups of each kind are
+permuted and offset at random. Which units train together, and on which
+workers, changes from epoch to epoch, while every invariant above holds:
+r holders per unit and, for the cyclic construction, r chunks of every group
+per worker, with per-kind loads that are epoch 0's loads handed to other
+workers. Epoch 0 is the fixed mask.
 """
 
 from __future__ import annotations
@@ -79,9 +89,11 @@ class Mask:
         return np.concatenate(cols, axis=1)
 
 
-def chunk_ids(num_units: int, num_workers: int, *, rotation: int) -> np.ndarray:
-    """Chunk of each unit: K near-equal contiguous chunks, shifted by `rotation`."""
-    return (np.arange(num_units) * num_workers // num_units + rotation) % num_workers
+def chunk_ids(num_units: int, num_workers: int, *, rotation: int, shift: int = 0) -> np.ndarray:
+    """Chunk of each unit: K near-equal contiguous chunks (circularly, starting at unit
+    `shift`), chunk ids rotated by `rotation`."""
+    position = (np.arange(num_units) + shift) % num_units
+    return (position * num_workers // num_units + rotation) % num_workers
 
 
 def rotations(group_kinds: list[str]) -> list[int]:
@@ -106,17 +118,27 @@ def build_mask(
     construction: str = "cyclic",
     seed: int = 0,
     group_kinds: list[str] | None = None,
+    epoch: int = 0,
 ) -> Mask:
     """The mask for units in groups of `group_sizes` over `num_workers` workers.
 
-    `group_kinds` (default: all one kind) sets the chunk rotation of each group.
+    `group_kinds` (default: all one kind) sets the chunk rotation of each group;
+    `epoch` > 0 draws a resampled mask (see the module doc).
     """
     if construction not in CONSTRUCTIONS:
         raise ConfigError("masking.construction", construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
+    if epoch < 0:
+        raise ValueError(f"mask epoch must be >= 0, got {epoch}")
     k = num_workers
     r = holders_per_unit(coverage, k)
-    rot = rotations(group_kinds or ["unit"] * len(group_sizes))
-    chunk_of = tuple(chunk_ids(n, k, rotation=rot[g]) for g, n in enumerate(group_sizes))
+    kinds = group_kinds or ["unit"] * len(group_sizes)
+    rot = rotations(kinds)
+    shifts = [0] * len(group_sizes)
+    # Epoch 0 keeps the seed-only stream of the random construction; later epochs draw from (seed, epoch).
+    rng = np.random.default_rng(seed if epoch == 0 else [seed, epoch])
+    if epoch > 0:
+        rot, shifts = _resampled_layout(rot, kinds, group_sizes, num_workers=k, rng=rng)
+    chunk_of = tuple(chunk_ids(n, k, rotation=rot[g], shift=shifts[g]) for g, n in enumerate(group_sizes))
     if construction == "cyclic":
         # Worker w holds chunks w..w+r-1, so chunk c is held by workers c-r+1..c.
         cyclic = tuple(tuple(sorted((c - i) % k for i in range(r))) for c in range(k))
@@ -124,7 +146,6 @@ def build_mask(
         # Chunk c is the first of worker c's chunks: each worker sends one chunk per group.
         chunk_source = tuple(tuple(range(k)) for _ in group_sizes)
     else:
-        rng = np.random.default_rng(seed)
         chunk_holders = tuple(
             tuple(tuple(sorted(rng.choice(k, size=r, replace=False).tolist())) for _ in range(k)) for _ in group_sizes
         )
@@ -132,6 +153,22 @@ def build_mask(
             tuple(hs[(c + g) % r] for c, hs in enumerate(per_group)) for g, per_group in enumerate(chunk_holders)
         )
     return Mask(num_workers=k, holders=r, chunk_of=chunk_of, chunk_holders=chunk_holders, chunk_source=chunk_source)
+
+
+def _resampled_layout(
+    rot: list[int], kinds: list[str], group_sizes: list[int], *, num_workers: int, rng: np.random.Generator
+) -> tuple[list[int], list[int]]:
+    """A resampled epoch's rotations (permuted within each kind, plus a random offset per
+    kind: each kind's rotations keep their multiset mod K, so loads stay balanced) and
+    chunk-boundary shifts (uniform per group)."""
+    out = list(rot)
+    for kind in dict.fromkeys(kinds):
+        members = [g for g, kd in enumerate(kinds) if kd == kind]
+        offset = int(rng.integers(num_workers))
+        for g, src in zip(members, rng.permutation(members), strict=True):
+            out[g] = (rot[int(src)] + offset) % num_workers
+    shifts = [int(rng.integers(n)) for n in group_sizes]
+    return out, shifts
 
 
 def mask_stats(mask: Mask, unit_numels: list[int]) -> dict:

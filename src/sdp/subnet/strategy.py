@@ -11,6 +11,7 @@ from torch import nn
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
+from sdp.optim import rebind
 from sdp.parallel import Strategy
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
@@ -21,22 +22,28 @@ from sdp.subnet.apply import (
     forward_assembly,
 )
 from sdp.subnet.mask import Mask, build_mask, mask_stats
+from sdp.subnet.resample import gather_state, place_state
 from sdp.subnet.sync import GradSync, HolderGroups, broadcast_from_holders
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
 def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
-    """The unit spec and mask of a plain model: a pure function of config and world size."""
+    """The unit spec and (epoch 0) mask of a plain model: a pure function of config and world size."""
     spec = unit_spec(model, family=family, granularity=cfg.granularity)
-    mask = build_mask(
+    return spec, mask_of(spec, cfg, world_size=world_size)
+
+
+def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int = 0) -> Mask:
+    """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every steps)."""
+    return build_mask(
         [g.num_units for g in spec.groups],
         num_workers=world_size,
         coverage=cfg.coverage,
         construction=cfg.construction,
         seed=cfg.seed,
         group_kinds=[g.kind for g in spec.groups],
+        epoch=epoch,
     )
-    return spec, mask
 
 
 def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int) -> None:
@@ -80,23 +87,86 @@ class SDPStrategy(Strategy):
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain = bucket_cap_mb, make_plain
         self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        self.stats = mask_stats(self.mask, [g.unit_numel(shapes) for g in self.spec.groups])
-        self.full_params = sum(s.numel() for s in shapes.values())
-        self.shared_params = sum(shapes[n].numel() for n in self.spec.shared_params)
-        self.plain_names = list(shapes)
-        if cfg.name == "forward":
-            # Slice on the host, then move only the submodel: the device never holds the full model.
+        self.epoch = 0
+        self.shapes = {n: p.shape for n, p in model.named_parameters()}
+        self.stats = mask_stats(self.mask, [g.unit_numel(self.shapes) for g in self.spec.groups])
+        self.full_params = sum(s.numel() for s in self.shapes.values())
+        self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
+        self.plain_names = list(self.shapes)
+        self.groups = HolderGroups([tuple(range(world_size))], world_size=world_size)
+        self._install(model)
+
+    def _install(self, model: nn.Module) -> None:
+        """Make `model` (a full plain model, current weights) this rank's subnetwork under self.mask."""
+        if self.cfg.name == "forward":
+            # Slice where the full model is, then move only the submodel: when it is on the
+            # host, the device never holds the full model.
             self.subnet, self.chunks = apply_forward_masking(
-                model, self.spec, self.mask, rank=rank, scale=resolved_scale(cfg)
+                model, self.spec, self.mask, rank=self.rank, scale=resolved_scale(self.cfg)
             )
-            self.subnet.model.to(device)  # keeps Parameter objects, so the sync pieces stay valid
+            self.subnet.model.to(self.device)  # keeps Parameter objects, so the sync pieces stay valid
         else:
             # Pieces view the full weights: they must be made where the weights live.
-            self.subnet, self.chunks = apply_backward_masking(model.to(device), self.spec, self.mask, rank=rank)
+            self.subnet, self.chunks = apply_backward_masking(
+                model.to(self.device), self.spec, self.mask, rank=self.rank
+            )
         self.model = self.subnet.model
-        self.groups = HolderGroups([*self.mask.holder_sets(), tuple(range(world_size))], world_size=world_size)
-        self.sync = GradSync(self.subnet.grad_entries, groups=self.groups, comm=comm, bucket_cap_mb=bucket_cap_mb)
+        self.groups.add(self.mask.holder_sets())
+        self.sync = GradSync(
+            self.subnet.grad_entries, groups=self.groups, comm=self.comm, bucket_cap_mb=self.bucket_cap_mb
+        )
+
+    def resample(self, step: int, optimizer: torch.optim.Optimizer) -> bool:
+        """After optimizer step `step`, every masking.resample_every steps: draw the next mask,
+        move units' weights and optimizer state to their new holders, rebuild the subnetwork
+        and point `optimizer` at it (collective). Returns whether the mask changed."""
+        every = self.cfg.resample_every
+        if not every or step % every:
+            return False
+        state, scalars = gather_state(
+            optimizer,
+            self.subnet.grad_entries,
+            self.chunks,
+            shapes=self.shapes,
+            rank=self.rank,
+            comm=self.comm,
+            bucket_cap_mb=self.bucket_cap_mb,
+            device=self.device,
+        )
+        full = self._current_plain_model()
+        self.epoch = step // every
+        self.mask = mask_of(self.spec, self.cfg, world_size=self.world_size, epoch=self.epoch)
+        self._install(full)
+        rebind(
+            optimizer, self.subnet.trainable, place_state(state, scalars, self.subnet.grad_entries, self.trainable())
+        )
+        return True
+
+    @torch.no_grad()
+    def _current_plain_model(self) -> nn.Module:
+        """A plain model with the current weights and buffers, on every rank (collective)."""
+        if self.cfg.name == "forward":
+            return self.assemble(fold_eval_scale=False, comm_kind="resample")
+        broadcast_from_holders(
+            backward_buffer_sync(self.model, self.spec, self.chunks, rank=self.rank),
+            rank=self.rank,
+            comm=self.comm,
+            kind="resample",
+            bucket_cap_mb=self.bucket_cap_mb,
+            device=self.device,
+        )
+        full = self._fresh_plain()
+        params = self.full_parameters()  # current everywhere: the weight refresh ran after the step
+        for name, p in full.named_parameters():
+            p.copy_(params[name])
+        buffers = dict(self.model.named_buffers())
+        for name, b in full.named_buffers():
+            b.copy_(buffers[name])
+        return full
+
+    def _fresh_plain(self) -> nn.Module:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            return self.make_plain()  # its random init must not move the training RNG streams
 
     def trainable(self) -> list[nn.Parameter]:
         return self.subnet.trainable
@@ -138,17 +208,22 @@ class SDPStrategy(Strategy):
             model.train(was_training)
 
     @torch.no_grad()
-    def assemble(self, *, fold_eval_scale: bool) -> nn.Module:
+    def assemble(self, *, fold_eval_scale: bool, comm_kind: str | None = None) -> nn.Module:
         """The full plain model, gathered from the holders (forward masking); with
-        `fold_eval_scale`, as evaluated (masking.scale=eval_coverage folded into its weights)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            full = self.make_plain()  # its random init must not move the training RNG streams
+        `fold_eval_scale`, as evaluated (masking.scale=eval_coverage folded into its weights).
+        With `comm_kind`, the bytes sent are counted under that kind."""
+        full = self._fresh_plain()
         local = dict(self.model.named_parameters())
         for name in self.spec.shared_params:
             full.get_parameter(name).copy_(local[name])
         transfers = forward_assembly(self.model, full, self.spec, self.chunks, rank=self.rank)
         broadcast_from_holders(
-            transfers, rank=self.rank, comm=None, kind="assembly", bucket_cap_mb=self.bucket_cap_mb, device=self.device
+            transfers,
+            rank=self.rank,
+            comm=self.comm if comm_kind else None,
+            kind=comm_kind or "assembly",
+            bucket_cap_mb=self.bucket_cap_mb,
+            device=self.device,
         )
         if fold_eval_scale and resolved_scale(self.cfg) == "eval_coverage":
             fold_eval_scaling(full, self.spec, self.mask.holders / self.mask.num_workers)
@@ -182,6 +257,7 @@ class SDPStrategy(Strategy):
             "granularity": self.cfg.granularity,
             "construction": self.cfg.construction,
             "scale": resolved_scale(self.cfg),
+            "resample_every": self.cfg.resample_every,
             "mask": self.stats,
             "shared_params": self.shared_params,
         }

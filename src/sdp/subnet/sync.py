@@ -23,8 +23,12 @@ class HolderGroups:
     def __init__(self, holder_sets: Iterable[tuple[int, ...]], *, world_size: int):
         self.world_size = world_size
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for hs in sorted(set(holder_sets), key=lambda s: (len(s), s)):
-            if len(hs) == world_size:
+        self.add(holder_sets)
+
+    def add(self, holder_sets: Iterable[tuple[int, ...]]) -> None:
+        """Create the groups of holder sets not seen yet (collective: every rank, same sets)."""
+        for hs in sorted(set(holder_sets) - self._groups.keys(), key=lambda s: (len(s), s)):
+            if len(hs) == self.world_size:
                 self._groups[hs] = dist.group.WORLD
             elif len(hs) > 1:
                 self._groups[hs] = dist.new_group(list(hs))
