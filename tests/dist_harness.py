@@ -121,7 +121,8 @@ def holders_check(family: str, gran: str) -> dict:
     res: dict = {}
 
     # Backward masking: one synced gradient against the mean of the holders' full gradients.
-    sdp = make(family, MaskingConfig(name="backward", granularity=gran, coverage=0.5), CommCounter())
+    comm = CommCounter()
+    sdp = make(family, MaskingConfig(name="backward", granularity=gran, coverage=0.5), comm)
     sdp.model.train()
     loss, _ = forward_loss(sdp.model, batch(family, rank, 0))
     loss.backward()
@@ -143,6 +144,20 @@ def holders_check(family: str, gran: str) -> dict:
     )
     optimizer = build_optimizer(sdp.trainable(), OptimConfig(lr=1e-3))
     optimizer.step()
+    sdp.after_step()
+    # Bytes sent, against sizes from the unit spec and the mask: with r = 2 holders every held
+    # unit element is all-reduced once, every shared one once, and each rank broadcasts the
+    # (non-buffer) chunks it is the sender of.
+    sent = comm.end_step()
+    held_units = _predicted_held(sdp, family, rank) - sum(sdp.shapes[n].numel() for n in sdp.spec.shared_params)
+    sends = sum(ch.numel(sdp.shapes[ch.tensor]) for ch in sdp.chunks if ch.source == rank and not ch.is_buffer)
+    res["comm_bytes"] = gathered(
+        [
+            [sent.get("grad_sync", 0), 4 * held_units],
+            [sent.get("shared_sync", 0), 4 * sum(sdp.shapes[n].numel() for n in sdp.spec.shared_params)],
+            [sent.get("weight_refresh", 0), 4 * sends],
+        ]
+    )
     res["optimizer_state_outside_trainable"] = sum(gathered(sum(1 for p in optimizer.state if id(p) not in trainable)))
     mem = sdp.memory(optimizer)
     held = _predicted_held(sdp, family, rank)

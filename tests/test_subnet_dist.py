@@ -58,6 +58,16 @@ def test_backward_masking_averages_over_holders_only(holders, family, gran):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("gran", ["neuron", "block"])
+def test_counted_comm_bytes_equal_the_analytic_sizes(holders, family, gran):
+    per_rank = holders[f"{family}-{gran}"]["comm_bytes"]  # backward masking, K = 4, r = 2, one step
+    assert len(per_rank) == 4
+    for grad_sync, shared_sync, refresh in per_rank:
+        assert grad_sync[0] == grad_sync[1] and shared_sync[0] == shared_sync[1] and refresh[0] == refresh[1]
+    assert sum(refresh[0] for _, _, refresh in per_rank) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gran", ["neuron", "block"])
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 def test_counted_bytes_equal_the_mask_prediction_on_every_rank(holders, family, gran, mode):
     per_rank = holders[f"{family}-{gran}"][f"{mode}_bytes"]

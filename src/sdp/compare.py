@@ -62,28 +62,34 @@ def _quality(s: dict) -> str:
     return f"{s['eval_acc']:.2%} acc" if "eval_acc" in s else f"{s['eval_loss']:.3f} loss"
 
 
-def _ratio(a: float, b: float | None) -> str:
-    return "" if not b else f"{a / b:.2f}"
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if not a or not b else f"{a / b:.2f}"
+
+
+def _peak(s: dict | None) -> int | None:
+    return s and s["memory"].get("peak_bytes")
 
 
 def comparison_table(results: list[Result]) -> str:
     """Markdown table: quality, per-rank bytes, comm and step time, with ratios to the first row."""
     head = (
-        "| variant | eval | train loss | params+grads+optim MiB/rank | vs DDP | comm MiB/step | vs DDP "
-        "| step s | vs DDP | wall s |"
+        "| variant | eval | train loss | params+grads+optim MiB/rank | vs DDP | live peak MiB/rank | vs DDP "
+        "| comm MiB/step | vs DDP | step s | vs DDP | wall s |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     base = results[0] if results[0].summary else None
     for r in results:
         s = r.summary
         if s is None:
-            lines.append(f"| {r.label} | failed | | | | | | | | {r.wall_s:.0f} |")
+            lines.append(f"| {r.label} | failed |" + " |" * 9 + f" {r.wall_s:.0f} |")
             continue
-        mem, comm, step = r.static_bytes, s["comm_bytes_per_step"], s["step_time_s"]
+        mem, comm, step, peak = r.static_bytes, s["comm_bytes_per_step"], s["step_time_s"], _peak(s)
+        peak_mib = "" if peak is None else f"{peak / 2**20:.1f}"
         lines.append(
             f"| {r.label} | {_quality(s)} | {s['train_loss']:.3f} | {mem / 2**20:.1f} | "
-            f"{_ratio(mem, base and base.static_bytes)} | {comm / 2**20:.2f} | "
-            f"{_ratio(comm, base and base.summary['comm_bytes_per_step'])} | {step:.3f} | "
+            f"{_ratio(mem, base and base.static_bytes)} | {peak_mib} | {_ratio(peak, _peak(base and base.summary))} | "
+            f"{comm / 2**20:.2f} | "
+            f"{_ratio(comm, base and base.summary['comm_bytes_per_step'])} | {'' if step is None else f'{step:.3f}'} | "
             f"{_ratio(step, base and base.summary['step_time_s'])} | {r.wall_s:.0f} |"
         )
     return "\n".join(lines)

@@ -124,8 +124,9 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     return RunConfig(**typed, **top)
 
 
-def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
-    """Every check that can run before the process group starts."""
+def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool = True) -> None:
+    """Every check that can run before the process group starts (`check_data=False`: all but
+    those that look at the data, for the memory estimator, which feeds shaped dummies)."""
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ConfigError("seed", cfg.seed, "must be an integer")
     validate_model(cfg.model)
@@ -138,7 +139,8 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)
-    validate_data(cfg.dataset, offline=offline)
+    if check_data:
+        validate_data(cfg.dataset, offline=offline)
     if isinstance(cfg.model, LlamaConfig):
         if cfg.dataset.seq_len > cfg.model.max_seq_len:
             raise ConfigError(
@@ -146,7 +148,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool) -> None:
                 cfg.dataset.seq_len,
                 f"must be <= model.max_seq_len={cfg.model.max_seq_len} (the model's positions)",
             )
-        vocab = data_vocab_size(cfg.dataset)
+        vocab = data_vocab_size(cfg.dataset) if check_data else None
         if vocab is not None and vocab > cfg.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {vocab} ids (dataset.tokenizer)"
@@ -170,8 +172,10 @@ def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
     return raw, to_typed(raw)
 
 
-def load_config(overrides: list[str], *, world_size: int, offline: bool) -> tuple[DictConfig, RunConfig]:
+def load_config(
+    overrides: list[str], *, world_size: int, offline: bool, check_data: bool = True
+) -> tuple[DictConfig, RunConfig]:
     """Compose, type and validate a run's config; raises ConfigError on any bad input."""
     raw, typed = typed_config(overrides)
-    validate(typed, world_size=world_size, offline=offline)
+    validate(typed, world_size=world_size, offline=offline, check_data=check_data)
     return raw, typed

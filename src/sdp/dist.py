@@ -7,6 +7,7 @@ receives a `World` and plain arguments.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -85,6 +86,13 @@ def broadcast_object(obj, *, src: int = 0):
     return box[0]
 
 
+def gather_objects(obj) -> list:
+    """`obj` from every rank, in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
     dist.all_reduce(tensor, op=ops[op])
@@ -98,3 +106,17 @@ def world_size() -> int:
 def print0(world: World, *args, file=sys.stdout) -> None:
     if world.is_main:
         print(*args, file=file, flush=True)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """A process group in which this process plays `rank` of `world_size` and no collective
+    moves data (the memory estimator: one process traces one rank of a K-worker job)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch._C._distributed_c10d import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

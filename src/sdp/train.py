@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,7 +22,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.models import build_model
 from sdp.optim import build_optimizer, build_scheduler
-from sdp.parallel import DDPStrategy, Strategy
+from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import micro_batch_size, train
 
@@ -47,18 +49,28 @@ def check_run_dir(cfg: RunConfig) -> None:
         raise ConfigError("run_dir", cfg.run_dir, "already holds a run (metrics.jsonl); choose a new run_dir")
 
 
-def build_strategy(cfg: RunConfig, *, world: dist.World, device: torch.device, comm: CommCounter) -> Strategy:
-    """The full model, initialised alike on every rank, under DDP or SDP."""
+def build_strategy(
+    cfg: RunConfig,
+    *,
+    world: dist.World,
+    device: torch.device,
+    comm: CommCounter,
+    build: Callable[[Any], torch.nn.Module] = build_model,
+) -> Strategy:
+    """The full model, initialised alike on every rank, under DDP or SDP.
+
+    `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors).
+    """
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     if cfg.masking.name == "none":
-        return DDPStrategy(build_model(cfg.model).to(device), cfg.parallelism, device=device, comm=comm)
+        return DDPStrategy(move_to(build(cfg.model), device), cfg.parallelism, device=device, comm=comm)
 
     def make_plain() -> torch.nn.Module:
         with torch.device(device):
-            return build_model(cfg.model)
+            return build(cfg.model)
 
     return SDPStrategy(
-        build_model(cfg.model),
+        build(cfg.model),
         cfg.masking,
         family=cfg.model.family,
         rank=world.rank,
@@ -195,10 +207,12 @@ def print_result(summary: dict) -> None:
     mem = summary["memory"]
     static_mib = sum(mem[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")) / 2**20
     quality = " ".join(f"{k}={summary[k]:.4f}" for k in ("train_loss", "eval_loss", "eval_acc") if k in summary)
+    speed = summary["tokens_or_samples_per_s"]
+    speed = "" if speed is None else f"{speed:.1f} {summary['throughput_unit']}, "
+    peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**20:.1f} MiB/rank"
     print(
-        f"done: {summary['steps']} steps, {quality}, "
-        f"{summary['tokens_or_samples_per_s']:.1f} {summary['throughput_unit']}, "
-        f"params+grads+optim {static_mib:.1f} MiB/rank, "
+        f"done: {summary['steps']} steps, {quality}, {speed}"
+        f"params+grads+optim {static_mib:.1f} MiB/rank{peak}, "
         f"comm {summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step -> {summary['run_dir']}",
         flush=True,
     )

@@ -18,8 +18,9 @@ from sdp import dist
 from sdp.data import DataBundle
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.flops import flop_counter, peak_flops
 from sdp.metrics.logger import RunLogger
-from sdp.metrics.memory import peak_bytes
+from sdp.metrics.memory import LivePeak, cuda_peaks
 from sdp.parallel import Strategy
 
 
@@ -37,6 +38,10 @@ class TrainerConfig:
     # Write the final evaluated model (assembled under SDP, with its evaluation
     # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
     save_model: bool = True
+    # The step run under the live-tensor memory tracker and the FLOP counter (its
+    # time is left out of the throughput); 0: none. Step 3 is steady state: the
+    # optimizer state exists (step 1) and DDP has re-bucketed its gradients (step 2).
+    profile_step: int = 3
 
 
 def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
@@ -44,6 +49,8 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
     for key in ("max_steps", "global_batch_size", "grad_accum_steps", "log_every"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 1")
+    if cfg.profile_step < 0:
+        raise ConfigError("trainer.profile_step", cfg.profile_step, "must be >= 0 (0: no memory/FLOP probe)")
     if cfg.eval_every < 0:
         raise ConfigError("trainer.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
     if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
@@ -142,6 +149,79 @@ def evaluate(
     return result
 
 
+PHASES = ("data", "forward", "backward", "sync", "optimizer")
+
+
+class PhaseTimer:
+    """Wall time per phase of a step. On CUDA each phase ends with a synchronize, so a
+    phase's time is its own work (DDP's all-reduce overlaps the backward and counts there)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.totals[phase] += time.perf_counter() - t0
+
+
+def train_step(
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[dict],
+    *,
+    cfg: TrainerConfig,
+    micro: int,
+    device: torch.device,
+    timer: PhaseTimer,
+) -> torch.Tensor:
+    """One optimizer step over cfg.grad_accum_steps micro-batches; returns the mean loss (detached).
+
+    The estimator runs this same function under FakeTensorMode, so what it measures is what runs.
+    """
+    model = strategy.model
+    optimizer.zero_grad(set_to_none=True)
+    step_loss = torch.zeros((), device=device)
+    for i in range(cfg.grad_accum_steps):
+        with timer("data"):
+            batch = _to_device(next(batches), device)
+        if batch["targets"].shape[0] != micro:
+            raise RuntimeError(f"data yielded a batch of {batch['targets'].shape[0]}, expected {micro}")
+        last_micro = i == cfg.grad_accum_steps - 1
+        with contextlib.nullcontext() if last_micro else strategy.no_sync():
+            with timer("forward"):
+                loss, _ = forward_loss(model, batch)
+            with timer("backward"):
+                (loss / cfg.grad_accum_steps).backward()
+        step_loss += loss.detach() / cfg.grad_accum_steps
+    with timer("sync"):
+        strategy.after_backward()
+        if cfg.grad_clip > 0:
+            strategy.clip_grad_norm_(cfg.grad_clip)
+    with timer("optimizer"):
+        optimizer.step()
+    with timer("sync"):
+        strategy.after_step()
+    return step_loss
+
+
+def probe_step(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step) -> tuple[torch.Tensor, dict]:
+    """Run `run_step()` (one train_step) under the live-tensor tracker and the FLOP counter;
+    returns its loss and {"peak": breakdown, "flops_per_step": n}.
+
+    Call it after at least one step, so the optimizer state and the last
+    gradients exist and are registered as live when the tracker starts.
+    """
+    peak = LivePeak(strategy.model, optimizer)
+    with flop_counter() as flops, peak:
+        loss = run_step()
+    return loss, {"peak": peak.breakdown(), "flops_per_step": int(flops.get_total_flops())}
+
+
 def train(
     *,
     strategy: Strategy,
@@ -173,38 +253,38 @@ def train(
         dynamic_ncols=True,
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
-    model = strategy.model
-    model.train()
-    train_time, window_loss, window_steps = 0.0, torch.zeros((), device=device), 0
-    memory, measure_memory, last = {}, True, {}
+    strategy.model.train()
+    timer = PhaseTimer(device)
+    train_time, timed_steps, window_loss, window_steps = 0.0, 0, torch.zeros((), device=device), 0
+    memory, measure_memory, last, probe = {}, True, {}, None
     evals: dict = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def run_step() -> torch.Tensor:
+        return train_step(strategy, optimizer, data.train, cfg=cfg, micro=micro, device=device, timer=timer)
+
     for step in range(1, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        for i in range(cfg.grad_accum_steps):
-            batch = _to_device(next(data.train), device)
-            if batch["targets"].shape[0] != micro:
-                raise RuntimeError(f"data yielded a batch of {batch['targets'].shape[0]}, expected {micro}")
-            last_micro = i == cfg.grad_accum_steps - 1
-            with contextlib.nullcontext() if last_micro else strategy.no_sync():
-                loss, _ = forward_loss(model, batch)
-                (loss / cfg.grad_accum_steps).backward()
-            window_loss += loss.detach() / cfg.grad_accum_steps
-        strategy.after_backward()
-        if cfg.grad_clip > 0:
-            strategy.clip_grad_norm_(cfg.grad_clip)
+        profiling = cfg.profile_step > 0 and step == min(cfg.profile_step, cfg.max_steps)
+        if profiling:  # excluded from the timings: the tracker slows the step down
+            saved = dict(timer.totals)
+            loss, probe = probe_step(strategy, optimizer, run_step)
+            timer.totals = saved
+        else:
+            loss = run_step()
+        window_loss += loss
         lr = scheduler.get_last_lr()[0]  # the lr this step used
-        optimizer.step()
-        strategy.after_step()
         scheduler.step()
         resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
         if resampled:
-            model = strategy.model
-            model.train()
+            strategy.model.train()
         comm.end_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        train_time += time.perf_counter() - t0
+        if not profiling:
+            train_time += time.perf_counter() - t0
+            timed_steps += 1
         window_steps += 1
         if measure_memory:  # gradients and optimizer state exist from the first step on
             memory = _elementwise_max(memory, strategy.memory(optimizer))
@@ -213,13 +293,10 @@ def train(
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             mean_loss = dist.all_reduce_(window_loss.clone()).item() / (window_steps * world.world_size)
-            last = {
-                "step": step,
-                "train_loss": mean_loss,
-                "lr": lr,
-                "tokens_or_samples_per_s": units_per_step * step / train_time,
-                "step_time_s": train_time / step,
-            }
+            last = {"step": step, "train_loss": mean_loss, "lr": lr}
+            if timed_steps:
+                last["tokens_or_samples_per_s"] = units_per_step * timed_steps / train_time
+                last["step_time_s"] = train_time / timed_steps
             logger.log(last)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             window_loss.zero_()
@@ -238,22 +315,59 @@ def train(
             if world.is_main:
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
     bar.close()
-    peak = peak_bytes(device)
-    memory = _max_over_ranks({**memory, "peak_bytes": -1 if peak is None else peak}, device=device)
-    memory = {k: None if v < 0 else int(v) for k, v in memory.items()}
+    step_time = train_time / timed_steps if timed_steps else None
+    phases = {k: v / timed_steps for k, v in timer.totals.items()} if timed_steps else {}
+    local = {
+        **memory,
+        "peak_bytes": probe["peak"]["total"] if probe else None,
+        "peak_breakdown": probe["peak"] if probe else None,
+        **cuda_peaks(device),
+    }
+    per_rank = dist.gather_objects(local)
     per_step = comm.per_step()
     comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
-    return {
+    flops = probe["flops_per_step"] if probe else None
+    out = {
         "steps": cfg.max_steps,
         "train_loss": last["train_loss"],
         **evals,
-        "tokens_or_samples_per_s": last["tokens_or_samples_per_s"],
-        "step_time_s": last["step_time_s"],
-        "memory": memory,
+        # Per rank: this rank's share of the global batch over its step time.
+        "tokens_or_samples_per_s": units_per_step / step_time if step_time else None,
+        "tokens_or_samples_per_s_per_rank": units_per_step / world.world_size / step_time if step_time else None,
+        "step_time_s": step_time,
+        "step_time_split_s": phases,
+        "flops_per_step_per_rank": _max_of(flops, device=device),
+        "memory": _busiest(per_rank),
+        "memory_per_rank": per_rank,
         # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
         "comm_bytes_per_step": comm_max.pop("total"),
         "comm_bytes_per_step_by_kind": comm_max,
     }
+    peak = peak_flops(device)
+    if peak and flops and step_time:
+        out["mfu"] = flops / step_time / peak
+    return out
+
+
+def _busiest(per_rank: list[dict]) -> dict:
+    """Each memory counter's largest value over the ranks, and the peak breakdown of the rank
+    with the largest live peak."""
+    out = {}
+    for key in per_rank[0]:
+        if key == "peak_breakdown":
+            continue
+        values = [r[key] for r in per_rank if r[key] is not None]
+        out[key] = max(values) if values else None
+    with_peak = [r for r in per_rank if r["peak_breakdown"] is not None]
+    out["peak_breakdown"] = max(with_peak, key=lambda r: r["peak_bytes"])["peak_breakdown"] if with_peak else None
+    return out
+
+
+def _max_of(value: int | None, *, device: torch.device) -> int | None:
+    """The largest value over the ranks (None when no rank measured it)."""
+    t = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce_(t, op="max")
+    return None if t.item() < 0 else int(t.item())
 
 
 def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:

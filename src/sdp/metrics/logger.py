@@ -96,9 +96,7 @@ class RunLogger:
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self._wandb_run is not None:
             try:
-                flat = {k: v for k, v in summary.items() if not isinstance(v, dict)}
-                flat.update({f"memory/{k}": v for k, v in summary.get("memory", {}).items()})
-                self._wandb_run.summary.update(flat)
+                self._wandb_run.summary.update(_flatten(summary))
             except Exception as err:  # noqa: BLE001
                 self._wandb_failed("summary", err)
 
@@ -111,3 +109,14 @@ class RunLogger:
                 self._wandb_run.finish(exit_code=exit_code)
             except Exception as err:  # noqa: BLE001
                 self._wandb_failed("finish", err)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as 'a/b' keys (W&B summary panels); lists (per-rank records) are left out."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        elif not isinstance(v, list):
+            out[f"{prefix}{k}"] = v
+    return out

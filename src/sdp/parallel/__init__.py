@@ -40,6 +40,14 @@ def validate_parallel(cfg: ParallelConfig) -> None:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
 
 
+def move_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move `model` to `device` in place (Parameter objects are kept, so references to them
+    stay valid); a no-op when it is there already, as the memory estimator's fake tensors are."""
+    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+        model.to(device)
+    return model
+
+
 class Strategy:
     """What the training loop needs from a data-parallel scheme."""
 
@@ -99,7 +107,7 @@ def _counting_allreduce_hook(counter, bucket):
     counter.add("grad_sync", buffer.numel() * buffer.element_size())
     buffer.div_(dist.get_world_size())
     fut = dist.all_reduce(buffer, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return fut.then(lambda _: buffer)  # all_reduce is in place
 
 
 class DDPStrategy(Strategy):
@@ -113,6 +121,8 @@ class DDPStrategy(Strategy):
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=cfg.bucket_cap_mb,
+            # Gradients live in the all-reduce buckets: one copy of them, not two.
+            gradient_as_bucket_view=True,
         )
         self.model.register_comm_hook(comm, _counting_allreduce_hook)
 

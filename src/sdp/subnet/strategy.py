@@ -12,7 +12,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 from sdp.optim import rebind
-from sdp.parallel import Strategy
+from sdp.parallel import Strategy, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
     apply_backward_masking,
@@ -104,11 +104,11 @@ class SDPStrategy(Strategy):
             self.subnet, self.chunks = apply_forward_masking(
                 model, self.spec, self.mask, rank=self.rank, scale=resolved_scale(self.cfg)
             )
-            self.subnet.model.to(self.device)  # keeps Parameter objects, so the sync pieces stay valid
+            move_to(self.subnet.model, self.device)
         else:
             # Pieces view the full weights: they must be made where the weights live.
             self.subnet, self.chunks = apply_backward_masking(
-                model.to(self.device), self.spec, self.mask, rank=self.rank
+                move_to(model, self.device), self.spec, self.mask, rank=self.rank
             )
         self.model = self.subnet.model
         self.groups.add(self.mask.holder_sets())

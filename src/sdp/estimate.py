@@ -1,0 +1,254 @@
+"""Per-rank memory of a run before spending GPU hours on it, without a GPU.
+
+    python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all] [out=FILE.json]
+
+takes the overrides of a run, plays one rank of a K-worker job in this one
+process and runs three training steps of the run's own code (config, DDP or
+SDP strategy, optimizer, `train_step`) under FakeTensorMode with a fake
+process group: tensors have shapes, dtypes and storages but no data, and no
+collective moves anything. Like a run's profiled step (`trainer.profile_step`,
+3 by default), the third step runs under the live-tensor tracker and FLOP
+counter, after the optimizer state exists. It prints and writes the same memory breakdown as a run's
+`summary.json`, plus the communication bytes per step the rank would send.
+
+Sizes are those of the configured dtypes (fp32 today) and are the same on a
+CUDA device; the CUDA caching allocator adds its block rounding and
+fragmentation on top (`max_memory_reserved`), which no trace can know.
+Inputs are dummies of the configured shapes (micro-batch = global batch /
+(K x accumulation steps), sequence length or image size), so no data is read.
+
+`rank=busiest` (the default) picks the rank that holds the most unit
+parameters under the mask; `rank=all` estimates every rank in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from sdp import dist
+from sdp.config import RunConfig, load_config
+from sdp.errors import ConfigError
+from sdp.metrics.comm import CommCounter
+from sdp.models import build_model
+from sdp.optim import build_optimizer
+from sdp.trainer import PhaseTimer, micro_batch_size, probe_step, train_step
+
+GIB = 2**30
+RANK_CHOICES = ("busiest", "all")
+
+
+class EstimateError(RuntimeError):
+    """The configured step could not be traced under FakeTensorMode."""
+
+
+@dataclass
+class EstimateArgs:
+    overrides: list[str]
+    world_size: int
+    rank: str  # an integer, busiest or all
+    out: Path | None
+
+
+def parse_args(argv: list[str]) -> EstimateArgs:
+    """Split the estimator's own arguments (world_size=, rank=, out=) from the run's overrides."""
+    own = {"world_size": None, "rank": "busiest", "out": None}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in own:
+            own[key] = value
+        else:
+            overrides.append(arg)
+    if own["world_size"] is None:
+        raise ConfigError("world_size", None, "is required: world_size=K, the number of workers to play")
+    if not own["world_size"].isdigit() or int(own["world_size"]) < 1:
+        raise ConfigError("world_size", own["world_size"], "must be an integer >= 1")
+    k = int(own["world_size"])
+    rank = own["rank"]
+    if rank not in RANK_CHOICES and not (rank.isdigit() and int(rank) < k):
+        raise ConfigError("rank", rank, f"allowed: an integer in [0, {k - 1}], {', '.join(RANK_CHOICES)}")
+    return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None)
+
+
+def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
+    """The rank holding the most unit parameters under the run's mask (0 under DDP)."""
+    if cfg.masking.name == "none":
+        return 0
+    from sdp.subnet.strategy import plan_mask
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=world_size)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    held = [
+        sum(mask.held_units(w, g).size * group.unit_numel(shapes) for g, group in enumerate(spec.groups))
+        for w in range(world_size)
+    ]
+    return max(range(world_size), key=lambda w: held[w])
+
+
+def dummy_batch(cfg: RunConfig, micro: int) -> dict:
+    """Inputs and targets of the run's shapes (values are irrelevant: they are fake)."""
+    if cfg.dataset.kind == "text":
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, cfg.dataset.seq_len + 1))
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    size, classes = cfg.dataset.image_size, cfg.dataset.num_classes
+    return {"inputs": torch.randn(micro, 3, size, size), "targets": torch.randint(0, classes, (micro,))}
+
+
+class _KeepFirstBuckets:
+    """DDP's reducer, except that it keeps its first bucket layout. DDP re-buckets once,
+    after the first step, in gradient-arrival order, which reads tensor data; the
+    buckets hold the same bytes either way."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+
+@contextlib.contextmanager
+def _ddp_on_fake_tensors():
+    """DDP checks at construction that every rank's parameter shapes agree, by reading
+    tensor data, which fake tensors lack; every rank here builds the same model."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    check = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+
+
+def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
+    """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`."""
+    from sdp.train import build_strategy
+
+    start = time.perf_counter()
+    device = torch.device("cpu")
+    micro = micro_batch_size(cfg.trainer, world_size=world_size)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    comm = CommCounter()
+
+    def fake_build(model_cfg) -> torch.nn.Module:
+        with fake:
+            return build_model(model_cfg)
+
+    world = dist.World(rank=rank, local_rank=0, world_size=world_size)
+    with dist.fake_process_group(rank, world_size):
+        try:
+            if cfg.masking.name == "none":
+                with fake, _ddp_on_fake_tensors():
+                    strategy = build_strategy(cfg, world=world, device=device, comm=comm)
+                strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
+            else:
+                # The mask and layout are plain integer bookkeeping: they run outside the
+                # fake mode, on the fake model's shapes.
+                strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=fake_build)
+            with fake:
+                optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+                batches = itertools.repeat(dummy_batch(cfg, micro))
+                timer = PhaseTimer(device)
+
+                def run_step() -> torch.Tensor:
+                    return train_step(
+                        strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer
+                    )
+
+                for _ in range(2):  # as a run's profiled step 3: after the optimizer state exists
+                    run_step()
+                    comm.end_step()
+                static = strategy.memory(optimizer)
+                _, probe = probe_step(strategy, optimizer, run_step)
+                comm.end_step()
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise EstimateError(
+                f"cannot trace a training step of model={cfg.model.name} masking={cfg.masking.name} "
+                f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
+            ) from err
+    per_step = comm.per_step()
+    return {
+        "model": cfg.model.name,
+        "masking": cfg.masking.name,
+        "granularity": cfg.masking.granularity if cfg.masking.name != "none" else None,
+        "coverage": cfg.masking.coverage,
+        "world_size": world_size,
+        "rank": rank,
+        "micro_batch": micro,
+        "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
+        "n_params": strategy.full_params,
+        "memory": {**static, "peak_bytes": probe["peak"]["total"], "peak_breakdown": probe["peak"]},
+        "flops_per_step": probe["flops_per_step"],
+        "comm_bytes_per_step": sum(per_step.values()),
+        "comm_bytes_per_step_by_kind": per_step,
+        "trace_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def format_estimate(est: dict) -> str:
+    """A human-readable block in GiB."""
+    mem = est["memory"]
+    static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+    variant = est["masking"] if est["masking"] == "none" else f"{est['masking']}/{est['granularity']}"
+    lines = [
+        f"{est['model']} ({est['n_params'] / 1e6:.1f}M params), masking={variant} C={est['coverage']}, "
+        f"rank {est['rank']} of {est['world_size']}, micro-batch {est['micro_batch']}"
+        + (f" x {est['seq_len']} tokens" if est["seq_len"] else ""),
+        f"  static   params {mem['params_bytes'] / GIB:.3f}  grads {mem['grads_bytes'] / GIB:.3f}  "
+        f"optimizer {mem['optim_bytes'] / GIB:.3f}  = {static / GIB:.3f} GiB",
+        "  peak     "
+        + "  ".join(f"{k} {v / GIB:.3f}" for k, v in mem["peak_breakdown"].items() if k != "total")
+        + f"  = {mem['peak_bytes'] / GIB:.3f} GiB",
+        f"  compute  {est['flops_per_step'] / 1e12:.3f} TFLOP/step; comm {est['comm_bytes_per_step'] / GIB:.3f} "
+        f"GiB/step sent; traced in {est['trace_s']:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        _, cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.rank == "all":
+        ranks = list(range(args.world_size))
+    elif args.rank == "busiest":
+        ranks = [busiest_rank(cfg, world_size=args.world_size)]
+    else:
+        ranks = [int(args.rank)]
+    results = []
+    try:
+        for rank in ranks:
+            results.append(estimate(cfg, world_size=args.world_size, rank=rank))
+            print(format_estimate(results[-1]), flush=True)
+    except EstimateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results if args.rank == "all" else results[0], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
