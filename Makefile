@@ -1,5 +1,7 @@
-# make run   - set up, then the offline demo (2 processes on CPU, real data)
-# make test  - set up, then the test suite
+# make run           - set up, then the offline demo (4 processes on CPU, real data)
+# make test          - set up, then the test suite
+# make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
+# make bench         - SDP vs DDP ratios on tiny models (CPU)
 SHELL := /bin/bash
 PYTHON_BIN ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -10,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-fast lint clean
+.PHONY: setup run test test-fast lint clean memory-table bench
 
 setup: $(STAMP) $(FMNIST)
 
@@ -38,6 +40,14 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not dist"
+
+# Estimated per-rank memory of the paper-scale configs (GPU-free; about 5 min on 2 cores).
+memory-table: setup
+	$(PY) scripts/memory_table.py --world-size 8 --out results/tables/memory_estimates
+
+# DDP vs the four SDP variants on tiny models, 4 CPU processes: ratios of bytes, live peak, comm, step time.
+bench: setup
+	$(PY) scripts/bench_sdp.py --out results/bench/sdp_cpu_k4.md
 
 clean:
 	rm -rf outputs .pytest_cache

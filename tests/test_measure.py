@@ -7,6 +7,7 @@ from conftest import launch, read_run
 from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.estimate import EstimateError, estimate, main, parse_args
+from sdp.trainer import forward_loss
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
 VARIANTS = {
@@ -124,3 +125,47 @@ def test_estimator_command_rejects_bad_config_and_writes_json(tmp_path, capsys):
     per_rank = json.loads(out.read_text())
     assert [e["rank"] for e in per_rank] == [0, 1, 2, 3]
     assert "GiB" in capsys.readouterr().out
+
+
+def test_live_peak_counts_each_kind_and_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    from sdp.metrics.memory import LivePeak
+    from sdp.models import build_model
+
+    model = build_model(_config(TINY).model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = {"inputs": torch.randint(0, 100, (2, 32)), "targets": torch.randint(0, 100, (2, 32))}
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_loss(model, batch)[0].backward()
+        optimizer.step()
+
+    step()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    with LivePeak(model, optimizer) as peak:
+        step()
+    parts = peak.breakdown()
+    assert parts["weights"] == param_bytes + sum(b.numel() * b.element_size() for b in model.buffers())
+    assert parts["optimizer"] == 2 * param_bytes + 4 * len(list(model.parameters()))  # AdamW moments + steps
+    assert parts["activations"] > 0 and parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    alive = weakref.ref(next(model.parameters()))
+    del model, optimizer, peak
+    gc.collect()
+    assert alive() is None  # the tracker leaves no hook behind that would keep a model alive
+
+
+@pytest.mark.parametrize("family", ["llama", "resnet", "swin"])
+@pytest.mark.parametrize("masking", [["masking=none"], ["masking=backward"], ["masking=forward"]])
+def test_estimator_traces_every_family_and_mode(family, masking):
+    from conftest import TINY_MODELS
+
+    model, dataset = TINY_MODELS[family]
+    overrides = [f"model={model}", f"dataset={dataset}", "trainer.global_batch_size=8", *masking]
+    if masking != ["masking=none"]:
+        overrides.append("masking.coverage=0.5")
+    est = estimate(_config(overrides), world_size=2, rank=1)
+    mem = est["memory"]
+    assert mem["peak_bytes"] > mem["params_bytes"] > 0 and est["flops_per_step"] > 0

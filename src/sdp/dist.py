@@ -113,7 +113,7 @@ def fake_process_group(rank: int, world_size: int):
     """A process group in which this process plays `rank` of `world_size` and no collective
     moves data (the memory estimator: one process traces one rank of a K-worker job)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    from torch._C._distributed_c10d import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
 from sdp.config import RunConfig, load_config
@@ -120,10 +120,31 @@ class _KeepFirstBuckets:
         return getattr(self._reducer, name)
 
 
+def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Give every meta parameter and buffer a storage (fake ones under FakeTensorMode), in
+    place; tied tensors stay tied. (`Module.to_empty` cannot: it swaps tensors, which fake
+    tensors refuse.)"""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = empty(t)
+    return model
+
+
 @contextlib.contextmanager
-def _ddp_on_fake_tensors():
-    """DDP checks at construction that every rank's parameter shapes agree, by reading
-    tensor data, which fake tensors lack; every rank here builds the same model."""
+def skip_ddp_shape_check():
+    """DDP checks at construction that every rank's parameter shapes agree, through a
+    collective that reads tensor data: fake tensors have none and a fake process group
+    has no other ranks. One process playing one rank builds the model every rank would."""
     import torch.nn.parallel.distributed as ddp_module
 
     check = ddp_module._verify_param_shape_across_processes
@@ -144,16 +165,23 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     comm = CommCounter()
 
+    def empty_build(model_cfg) -> torch.nn.Module:
+        """The plain model with storages made by the active fake mode. Built on the meta
+        device first: model constructors may read tensor values (timm's drop-path rates)."""
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = build_model(model_cfg)
+        return _materialize(model, device)
+
     def fake_build(model_cfg) -> torch.nn.Module:
         with fake:
-            return build_model(model_cfg)
+            return empty_build(model_cfg)
 
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
         try:
             if cfg.masking.name == "none":
-                with fake, _ddp_on_fake_tensors():
-                    strategy = build_strategy(cfg, world=world, device=device, comm=comm)
+                with fake, skip_ddp_shape_check():
+                    strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build)
                 strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
             else:
                 # The mask and layout are plain integer bookkeeping: they run outside the

@@ -6,30 +6,31 @@ Two measurements, reported together on every run:
   this rank holds, counted from the tensors themselves (views of one storage
   count once);
 - the live-tensor peak of one training step (`LivePeak`), split into weights,
-  gradients, optimizer state, activations, temporaries (backward-pass
-  intermediates such as activation gradients, and communication buffers) and
-  other. It is tracked with torch's MemTracker, a dispatch mode that sees
-  every tensor storage created or freed, so it works on the CPU, on CUDA and
-  under FakeTensorMode (the memory estimator), and never reads a silent 0.
+  gradients, optimizer state, activations (made in the forward) and
+  temporaries (made in the backward and in communication: activation
+  gradients, flat all-reduce buckets, optimizer scratch). It is a dispatch mode that sees every
+  tensor storage created during the step and is told by weak references when
+  each one dies, so it works on the CPU, on CUDA and under FakeTensorMode (the
+  memory estimator), and never reads a silent 0.
 
 On CUDA the allocator's own peaks (`torch.cuda.max_memory_allocated` and
 `max_memory_reserved`) are reported beside them.
+
+(torch's MemTracker does the same and more, per module, but its module tracker
+keeps every model it has seen alive through autograd hooks it cannot remove:
+after a mask resample the old subnetwork would never be freed.)
 """
 
 from __future__ import annotations
 
-import torch
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+import weakref
 
-# The live-peak breakdown's keys, and the MemTracker categories each one sums.
-PEAK_KINDS = {
-    "weights": (_MemRefType.PARAM, _MemRefType.BUFFER),
-    "grads": (_MemRefType.GRAD,),
-    "optimizer": (_MemRefType.OPT,),
-    "activations": (_MemRefType.ACT,),
-    "temporaries": (_MemRefType.TEMP,),
-    "other": (_MemRefType.OTH,),
-}
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+PEAK_KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
 
 
 def _nbytes(tensors) -> int:
@@ -62,64 +63,100 @@ def static_bytes(weights, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     }
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-class _StepTracker(MemTracker):
-    """A MemTracker that lets the root module run once per micro-batch within one step, and
-    accepts frozen parameters (backward masking's non-held weights).
-
-    MemTracker keeps per-module snapshots and refuses a second root forward;
-    only the global peak is used here, so the module stats are cleared instead.
-    It also hooks every parameter's gradient, which a frozen one cannot take:
-    those are marked as hooked already (they never get a gradient).
-    """
-
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
-        for p in module.parameters():
-            if not p.requires_grad:
-                self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
-        name = self._mod_tracker.get_known_fqn(module)
-        root_call = set(self._mod_tracker.parents) - {name} == {"Global"}
-        if module in self.memory_tracking and root_call and not self._mod_tracker.is_bw:
-            self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
-
-
-class LivePeak:
+class LivePeak(TorchDispatchMode):
     """The live-tensor peak of the code run inside `with LivePeak(model, optimizer):`.
 
     Create it just before the measured step, while the previous step's
     gradients and the optimizer state exist: everything alive then is
     registered, so persistent memory (weights, optimizer state, DDP's gradient
-    buckets) is in the peak even though it was allocated earlier.
+    buckets) is in the peak even though it was allocated earlier. Storages
+    made inside are activations in the forward and temporaries in the backward
+    and the optimizer step; a parameter's gradient becomes `grads` once it is
+    accumulated, the state the optimizer keeps becomes `optimizer` after its
+    step. Views share their storage and count once.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *extra: torch.Tensor):
-        self._tracker = _StepTracker()
-        self._tracker.track_external(model, optimizer, *extra)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self._kind: dict[int, str] = {}
+        self._size: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = dict.fromkeys(PEAK_KINDS, 0)
+        self._peak = dict(self.current)
+        self._in_optimizer = False
+        self._handles: list = []
+        self._optimizer = optimizer
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        for t in [*model.parameters(), *model.buffers()]:
+            self._register(t, "weights")
+        for p in model.parameters():
+            self._register(p.grad, "grads")
+        self._register_optimizer_state()
+
+    def _register(self, t, kind: str, *, relabel: bool = False) -> None:
+        """Count t's storage as `kind` from now until it is freed; a storage already counted
+        keeps its kind unless `relabel` (a gradient made in the backward becomes `grads`)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._kind:
+            if relabel and self._kind[key] != kind:
+                self.current[self._kind[key]] -= self._size[key]
+                self.current[kind] += self._size[key]
+                self._kind[key] = kind
+            return
+        self._kind[key], self._size[key] = kind, storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self.current[kind] += self._size[key]
+        if sum(self.current.values()) > sum(self._peak.values()):
+            self._peak = dict(self.current)
+
+    def _free(self, key: int) -> None:
+        kind = self._kind.pop(key, None)
+        if kind is not None:
+            self.current[kind] -= self._size.pop(key)
+            self._refs.pop(key, None)
+
+    def _register_optimizer_state(self) -> None:
+        for state in self._optimizer.state.values():
+            for v in state.values():
+                self._register(v, "optimizer", relabel=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # The optimizer's scratch is temporary; the state it keeps is relabelled after its step.
+        in_backward = torch._C._current_graph_task_id() != -1
+        kind = "temporaries" if self._in_optimizer or in_backward else "activations"
+        for t in tree_flatten(out)[0]:
+            self._register(t, kind)
+        return out
 
     def __enter__(self) -> LivePeak:
-        self._tracker.__enter__()
-        return self
+        def before_step(optimizer, args, kwargs):
+            self._in_optimizer = optimizer is self._optimizer
+
+        def after_step(optimizer, args, kwargs):
+            self._in_optimizer = False
+            if optimizer is self._optimizer:
+                self._register_optimizer_state()
+
+        self._handles = [register_optimizer_step_pre_hook(before_step), register_optimizer_step_post_hook(after_step)]
+        self._handles += [
+            p.register_post_accumulate_grad_hook(lambda p: self._register(p.grad, "grads", relabel=True))
+            for p in self._params
+        ]
+        return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        self._tracker.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        super().__exit__(*exc)
 
     def breakdown(self) -> dict[str, int]:
-        """Bytes by kind at the moment of the peak, and their `total`, summed over devices."""
-        out = dict.fromkeys(PEAK_KINDS, 0)
-        total = 0
-        for snap in self._tracker.get_tracker_snapshot("peak").values():
-            for kind, refs in PEAK_KINDS.items():
-                out[kind] += sum(int(snap.get(ref, 0)) for ref in refs)
-            total += int(snap["Total"])
-        return {**out, "total": total}
+        """Bytes by kind at the moment of the peak, and their `total`."""
+        return {**self._peak, "total": sum(self._peak.values())}
 
 
 def cuda_peaks(device: torch.device) -> dict[str, int | None]:
