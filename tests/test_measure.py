@@ -138,15 +138,15 @@ def test_live_peak_counts_each_kind_and_keeps_nothing_alive():
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"inputs": torch.randint(0, 100, (2, 32)), "targets": torch.randint(0, 100, (2, 32))}
 
-    def step():
+    def step(model, optimizer):
         optimizer.zero_grad(set_to_none=True)
         forward_loss(model, batch)[0].backward()
         optimizer.step()
 
-    step()
+    step(model, optimizer)
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     with LivePeak(model, optimizer) as peak:
-        step()
+        step(model, optimizer)
     parts = peak.breakdown()
     assert parts["weights"] == param_bytes + sum(b.numel() * b.element_size() for b in model.buffers())
     assert parts["optimizer"] == 2 * param_bytes + 4 * len(list(model.parameters()))  # AdamW moments + steps
