@@ -6,7 +6,10 @@
 Runs the GPU-free estimator (`sdp.estimate`: the run's own training step under
 FakeTensorMode, one rank of a K-worker job) for every model x {DDP, SDP
 backward, SDP forward} x {neuron, block} x C in {0.25, 0.5, 0.75}, on the
-rank that holds the most, and writes OUT.md and OUT.csv. Each row is what that
+rank that holds the most, and writes OUT.md and OUT.csv. For LLaMA 500M and 1B
+it adds the rows stacked with activation checkpointing (AC, per block), bf16
+mixed precision and FSDP2: the DDP + AC and FSDP baselines, and SDP forward
+masking + AC (+ bf16). SDP x FSDP rows come with the 2-D mesh. Each row is what that
 rank allocates: live-tensor peak of a steady-state step and its split, and the
 static weights + gradients + optimizer state, with reductions against DDP.
 """
@@ -36,6 +39,21 @@ VARIANTS = [("DDP", "none", None)] + [
     for gran in ("neuron", "block")
     for mode in ("backward", "forward")
 ]
+# Stacked with memory-saving methods (LLaMA 500M and 1B): label, coverage, overrides.
+AC, BF16, FSDP = "parallelism.activation_checkpointing=full", "parallelism.mixed_precision=bf16", "parallelism=fsdp"
+STACKED = [
+    ("DDP + AC", 1.0, [AC]),
+    ("DDP + AC + bf16", 1.0, [AC, BF16]),
+    ("FSDP", 1.0, [FSDP]),
+    ("FSDP + AC", 1.0, [FSDP, AC]),
+    ("FSDP + AC + bf16", 1.0, [FSDP, AC, BF16]),
+] + [
+    (f"{g[0].upper()}-SDP forward + AC{' + bf16' if bf16 else ''}", c, [f"masking.granularity={g}", AC, *bf16])
+    for g in ("neuron", "block")
+    for c in (0.25, 0.5)
+    for bf16 in ([], [BF16])
+]
+STACKED_MODELS = ("llama_500m", "llama_1b")
 
 
 def _rows_for_model(model: str, world_size: int) -> list[dict]:
@@ -59,6 +77,17 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             except (ConfigError, EstimateError) as err:
                 row.update(error=str(err))
             print(f"{model:>11} {label:<16} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
+            rows.append(row)
+    if model in STACKED_MODELS:
+        for label, coverage, extra in STACKED:
+            masking = ["masking=none"] if coverage == 1.0 else ["masking=forward", f"masking.coverage={coverage}"]
+            row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size}
+            try:
+                _, cfg = load_config(base + masking + extra, world_size=world_size, offline=True, check_data=False)
+                row.update(est=estimate(cfg, world_size=world_size, rank=busiest_rank(cfg, world_size=world_size)))
+            except (ConfigError, EstimateError) as err:
+                row.update(error=str(err))
+            print(f"{model:>11} {label:<26} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
             rows.append(row)
     return rows
 
@@ -120,6 +149,8 @@ def markdown(records: list[dict], *, world_size: int, seconds: float) -> str:
         "weights / grads / optimizer state / activations / temporaries at that moment; *static* is "
         "weights + gradients + optimizer state. Reductions are against the same model's DDP row. "
         "LLaMA: FineWeb shapes, 8 x 1024 tokens per rank; ResNet-18 and Swin-T: CIFAR-10, 128 images per rank. "
+        "AC: activation checkpointing of every block; bf16: bf16 compute with fp32 weights and optimizer state; "
+        "FSDP: FSDP2 over the K ranks. "
         "A CUDA run adds the caching allocator's rounding and fragmentation on top (see `max_memory_reserved`).",
         "",
         "| " + " | ".join(title for _, title in COLUMNS) + " |",

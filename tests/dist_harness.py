@@ -19,6 +19,8 @@ from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
@@ -36,11 +38,19 @@ def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
     return {"inputs": torch.randn(n, 3, 32, 32, generator=g), "targets": torch.randint(0, 10, (n,), generator=g)}
 
 
-def make(family: str, masking: MaskingConfig | None, comm: CommCounter):
+def make(family: str, masking: MaskingConfig | None, comm: CommCounter, *, ac: str = "none", fsdp: bool = False):
     cfg = tiny_model_cfg(family)
     torch.manual_seed(0)
+
+    def checkpointing(model):
+        apply_activation_checkpointing(model, family=family, mode=ac)
+
     if masking is None:
-        return DDPStrategy(build_model(cfg), ParallelConfig(), device=CPU, comm=comm)
+        model = build_model(cfg)
+        checkpointing(model)
+        if fsdp:
+            return FSDPStrategy(model, ParallelConfig(name="fsdp"), family=family, device=CPU, comm=comm)
+        return DDPStrategy(model, ParallelConfig(), device=CPU, comm=comm)
     return SDPStrategy(
         build_model(cfg),
         masking,
@@ -51,6 +61,7 @@ def make(family: str, masking: MaskingConfig | None, comm: CommCounter):
         comm=comm,
         bucket_cap_mb=1,
         make_plain=lambda: build_model(cfg),
+        prepare=checkpointing,
     )
 
 
@@ -81,6 +92,12 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
 
 
+def max_rel_diff(a: dict, b: dict) -> float:
+    """The largest per-tensor difference relative to the reference tensor's largest entry."""
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in a)
+
+
 def equivalence() -> dict:
     """C = 1: every SDP variant against DDP, parameters after a few steps."""
     out = {}
@@ -94,6 +111,48 @@ def equivalence() -> dict:
                 sdp = make(family, MaskingConfig(name=mode, granularity=gran, coverage=1.0), CommCounter())
                 train(sdp, family, steps=3)
                 out[family][f"{mode}-{gran}"] = max_diff(ref, sdp.full_parameters())
+    return out
+
+
+def stacking() -> dict:
+    """K = 2: FSDP2 against DDP, and activation checkpointing against none, after 3 AdamW steps."""
+    out = {}
+    for family in TINY_MODELS:
+        res = out[family] = {}
+        ddp = make(family, None, CommCounter())
+        train(ddp, family, steps=3)
+        ref = {k: v.detach().clone() for k, v in ddp.full_parameters().items()}
+        comm = CommCounter()
+        fsdp = make(family, None, comm, fsdp=True)
+        optimizer = train(fsdp, family, steps=3)
+        res["fsdp_rel"] = max_rel_diff(fsdp.full_parameters(), ref)
+        sent = comm.end_step()  # three steps' worth
+        # FSDP2 gives rank r the r-th torch.chunk of dim 0 of every parameter, stored (with its
+        # gradient) padded to ceil(rows / K) rows; AdamW's state is made like the unpadded shard.
+        k, rank = dist.get_world_size(), dist.get_rank()
+        shard = padded = 0
+        for p in ddp.plain.parameters():
+            rows, row = torch.arange(p.shape[0]).chunk(k), p.numel() // p.shape[0]
+            shard += (len(rows[rank]) if rank < len(rows) else 0) * row
+            padded += -(-p.shape[0] // k) * row
+        n_tensors = len(list(fsdp.model.parameters()))
+        predicted = {"params_bytes": 4 * padded, "grads_bytes": 4 * padded, "optim_bytes": 8 * shard + 4 * n_tensors}
+        res["fsdp_bytes"] = gathered([fsdp.memory(optimizer), predicted])
+        # The reduce-scatter input is the padded full gradient.
+        res["fsdp_reduce_scatter_per_step"] = [sent.get("grad_reduce_scatter", 0) / 3, 4 * k * padded]
+        res["fsdp_all_gather_per_step"] = sent.get("param_all_gather", 0) / 3
+        for ac in ("full", "selective"):
+            model = make(family, None, CommCounter(), ac=ac)
+            train(model, family, steps=3)
+            res[f"ddp_ac_{ac}"] = max_diff(ref, model.full_parameters())
+        for mode in ("backward", "forward"):
+            masking = MaskingConfig(name=mode, coverage=0.5)
+            plain = make(family, masking, CommCounter())
+            train(plain, family, steps=3)
+            base = {k: v.detach().clone() for k, v in plain.full_parameters().items()}
+            checkpointed = make(family, masking, CommCounter(), ac="full")
+            train(checkpointed, family, steps=3)
+            res[f"{mode}_ac_full"] = max_diff(base, checkpointed.full_parameters())
     return out
 
 
@@ -261,7 +320,7 @@ if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = {"equivalence": equivalence, "holders": holders}[scenario]()
+    result = {"equivalence": equivalence, "holders": holders, "stacking": stacking}[scenario]()
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

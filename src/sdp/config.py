@@ -135,7 +135,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         from sdp.subnet.strategy import validate_plan
 
         validate_plan(cfg.model, cfg.masking, world_size=world_size)
-    validate_parallel(cfg.parallelism)
+    validate_parallel(cfg.parallelism, masking=cfg.masking.name)
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)

@@ -120,3 +120,15 @@ def fake_process_group(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A device mesh over all ranks (FSDP2's, and SDP x FSDP's later): this module owns them.
+
+    A mesh is integer bookkeeping of ranks: it is made with real tensors even when the
+    memory estimator traces under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)

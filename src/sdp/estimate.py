@@ -182,7 +182,8 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
             if cfg.masking.name == "none":
                 with fake, skip_ddp_shape_check():
                     strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build)
-                strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
+                if cfg.parallelism.name == "ddp":
+                    strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
             else:
                 # The mask and layout are plain integer bookkeeping: they run outside the
                 # fake mode, on the fake model's shapes.

@@ -23,6 +23,8 @@ from sdp.metrics.logger import RunLogger
 from sdp.models import build_model
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import DDPStrategy, Strategy, move_to
+from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import micro_batch_size, train
 
@@ -57,13 +59,23 @@ def build_strategy(
     comm: CommCounter,
     build: Callable[[Any], torch.nn.Module] = build_model,
 ) -> Strategy:
-    """The full model, initialised alike on every rank, under DDP or SDP.
+    """The full model, initialised alike on every rank, under DDP, FSDP or SDP, with activation
+    checkpointing and mixed precision applied from outside it.
 
     `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors).
     """
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    par = cfg.parallelism
+
+    def checkpointing(model: torch.nn.Module) -> None:
+        apply_activation_checkpointing(model, family=cfg.model.family, mode=par.activation_checkpointing)
+
     if cfg.masking.name == "none":
-        return DDPStrategy(move_to(build(cfg.model), device), cfg.parallelism, device=device, comm=comm)
+        model = move_to(build(cfg.model), device)
+        checkpointing(model)
+        if par.name == "fsdp":
+            return FSDPStrategy(model, par, family=cfg.model.family, device=device, comm=comm)
+        return DDPStrategy(model, par, device=device, comm=comm)
 
     def make_plain() -> torch.nn.Module:
         with torch.device(device):
@@ -77,8 +89,10 @@ def build_strategy(
         world_size=world.world_size,
         device=device,
         comm=comm,
-        bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
+        bucket_cap_mb=par.bucket_cap_mb,
         make_plain=make_plain,
+        prepare=checkpointing,
+        autocast_dtype=torch.bfloat16 if par.mixed_precision == "bf16" else None,
     )
 
 
@@ -113,6 +127,8 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
         "coverage": cfg.masking.coverage,
         "masking": cfg.masking.name,
         "parallelism": cfg.parallelism.name,
+        "activation_checkpointing": cfg.parallelism.activation_checkpointing,
+        "mixed_precision": cfg.parallelism.mixed_precision,
         "device": device.type,
         "seed": cfg.seed,
     }

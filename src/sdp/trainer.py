@@ -118,10 +118,12 @@ def evaluate(
     calibration: Iterator[dict] | None = None,
     calibration_batches: int = 0,
     export: Path | None = None,
+    write_export: bool = True,
 ) -> dict:
     """Loss (and accuracy) over every rank's eval shard, on the full model (assembled under SDP).
 
-    With `export`, that model's plain state dict is also saved there (by the caller's rank 0).
+    With `export` (given on every rank: gathering a sharded state dict is collective), that
+    model's plain state dict is also saved there by the rank with `write_export`.
     """
     # [sum of per-target losses, number of targets, correct predictions]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -130,13 +132,16 @@ def evaluate(
             recalibrate_batchnorm(full, calibration, count=calibration_batches, device=device)
         for batch in data.make_eval():
             batch = _to_device(batch, device)
-            loss, logits = forward_loss(full, batch)
+            with strategy.autocast():
+                loss, logits = forward_loss(full, batch)
             n = batch["targets"].numel()
             totals[0] += loss.double() * n
             totals[1] += n
             totals[2] += (logits.argmax(-1) == batch["targets"]).sum()
         if export is not None:
-            torch.save(strategy.plain_state_dict(full), export)
+            state = strategy.plain_state_dict(full)
+            if write_export:
+                torch.save(state, export)
     dist.all_reduce_(totals)
     loss_sum, count, correct = totals.tolist()
     if count == 0:
@@ -193,7 +198,7 @@ def train_step(
             raise RuntimeError(f"data yielded a batch of {batch['targets'].shape[0]}, expected {micro}")
         last_micro = i == cfg.grad_accum_steps - 1
         with contextlib.nullcontext() if last_micro else strategy.no_sync():
-            with timer("forward"):
+            with timer("forward"), strategy.autocast():
                 loss, _ = forward_loss(model, batch)
             with timer("backward"):
                 (loss / cfg.grad_accum_steps).backward()
@@ -302,7 +307,7 @@ def train(
             window_loss.zero_()
             window_steps = 0
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            final = step == cfg.max_steps and cfg.save_model and world.is_main
+            final = step == cfg.max_steps and cfg.save_model
             evals = evaluate(
                 strategy,
                 data,
@@ -310,6 +315,7 @@ def train(
                 calibration=calibration,
                 calibration_batches=calibration_batches,
                 export=model_path if final else None,
+                write_export=world.is_main,
             )
             logger.log({"step": step, **evals})
             if world.is_main:

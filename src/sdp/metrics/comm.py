@@ -6,8 +6,9 @@ from collections import defaultdict
 
 # What is counted: gradient averaging of unit parameters (all of them under DDP),
 # of shared parameters under SDP, backward masking's refresh of non-held weights, and
-# the weights and optimizer state that move when the mask is resampled.
-COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh", "resample")
+# the weights and optimizer state that move when the mask is resampled, and FSDP's
+# weight all-gathers and gradient reduce-scatters.
+COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh", "resample", "param_all_gather", "grad_reduce_scatter")
 
 
 class CommCounter:

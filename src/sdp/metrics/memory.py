@@ -26,11 +26,17 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 PEAK_KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's (FSDP's) local shard, or t itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _nbytes(tensors) -> int:
@@ -39,7 +45,7 @@ def _nbytes(tensors) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         # The storage's identity (views share it), valid for real, meta and fake tensors alike.
         if storage._cdata in seen:
             continue
@@ -98,7 +104,7 @@ class LivePeak(TorchDispatchMode):
         keeps its kind unless `relabel` (a gradient made in the backward becomes `grads`)."""
         if not isinstance(t, torch.Tensor):
             return
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         key = storage._cdata
         if key in self._kind:
             if relabel and self._kind[key] != kind:
@@ -124,6 +130,8 @@ class LivePeak(TorchDispatchMode):
                 self._register(v, "optimizer", relabel=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # let DTensor run its local ops, which come back through here
         out = func(*args, **(kwargs or {}))
         # The optimizer's scratch is temporary; the state it keeps is relabelled after its step.
         in_backward = torch._C._current_graph_task_id() != -1

@@ -21,19 +21,37 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 
-PARALLELISMS = ("ddp",)
+PARALLELISMS = ("ddp", "fsdp")
+AC_MODES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
 class ParallelConfig:
-    name: str = "ddp"
+    name: str = "ddp"  # ddp | fsdp (FSDP2)
     backend: str = "auto"  # auto | gloo | nccl
     bucket_cap_mb: int = 25
+    activation_checkpointing: str = "none"  # none | full | selective, per block
+    # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
+    mixed_precision: str = "fp32"
+    reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
 
 
-def validate_parallel(cfg: ParallelConfig) -> None:
+def validate_parallel(cfg: ParallelConfig, *, masking: str = "none") -> None:
     if cfg.name not in PARALLELISMS:
         raise ConfigError("parallelism.name", cfg.name, f"allowed: {', '.join(PARALLELISMS)}")
+    if cfg.activation_checkpointing not in AC_MODES:
+        raise ConfigError(
+            "parallelism.activation_checkpointing", cfg.activation_checkpointing, f"allowed: {', '.join(AC_MODES)}"
+        )
+    if cfg.mixed_precision not in PRECISIONS:
+        raise ConfigError("parallelism.mixed_precision", cfg.mixed_precision, f"allowed: {', '.join(PRECISIONS)}")
+    if cfg.name == "fsdp" and masking != "none":
+        raise ConfigError(
+            "parallelism",
+            cfg.name,
+            f"with masking={masking} (SDP x FSDP on a 2-D mesh) is not built yet; allowed with SDP: ddp",
+        )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", cfg.backend, "allowed: auto, gloo, nccl")
     if cfg.bucket_cap_mb <= 0:
@@ -52,6 +70,14 @@ class Strategy:
     """What the training loop needs from a data-parallel scheme."""
 
     model: nn.Module  # run forward/backward on this
+    # Autocast dtype of the forward (bf16 mixed precision without FSDP); None: fp32.
+    autocast_dtype: torch.dtype | None = None
+
+    def autocast(self):
+        """Context for the forward pass: bf16 autocast with fp32 weights, or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(next(self.model.parameters()).device.type, dtype=self.autocast_dtype)
 
     def trainable(self) -> list[nn.Parameter]:
         raise NotImplementedError
@@ -114,6 +140,7 @@ class DDPStrategy(Strategy):
     """torch DistributedDataParallel over all ranks: every rank holds and trains everything."""
 
     def __init__(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter):
+        self.autocast_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else None
         self.plain = model
         self.full_params = sum(p.numel() for p in model.parameters())
         self.shared_params = self.full_params  # every parameter is held and averaged by every rank

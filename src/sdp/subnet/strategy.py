@@ -81,11 +81,15 @@ class SDPStrategy(Strategy):
         comm: CommCounter,
         bucket_cap_mb: int,
         make_plain: Callable[[], nn.Module],
+        prepare: Callable[[nn.Module], object] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
-        `make_plain` builds a full plain model on `device`, which assembly overwrites."""
+        `make_plain` builds a full plain model on `device`, which assembly overwrites;
+        `prepare` is applied to every subnetwork this rank trains (activation checkpointing)."""
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
-        self.bucket_cap_mb, self.make_plain = bucket_cap_mb, make_plain
+        self.bucket_cap_mb, self.make_plain, self.prepare = bucket_cap_mb, make_plain, prepare
+        self.autocast_dtype = autocast_dtype
         self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
         self.epoch = 0
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -111,6 +115,8 @@ class SDPStrategy(Strategy):
                 move_to(model, self.device), self.spec, self.mask, rank=self.rank
             )
         self.model = self.subnet.model
+        if self.prepare is not None:
+            self.prepare(self.model)
         self.groups.add(self.mask.holder_sets())
         self.sync = GradSync(
             self.subnet.grad_entries, groups=self.groups, comm=self.comm, bucket_cap_mb=self.bucket_cap_mb

@@ -270,16 +270,21 @@ RULES = {
 }
 
 
+def blocks(model: nn.Module, *, family: str) -> list[tuple[str, nn.Module]]:
+    """The family's blocks (decoder layers, BasicBlocks, Swin blocks) present in `model`, by path;
+    a block that forward masking dropped is a skip module and is not listed."""
+    block_type = RULES[family].block_type()
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, block_type)]
+
+
 def unit_spec(model: nn.Module, *, family: str, granularity: str) -> UnitSpec:
     """The unit spec of a plain model of `family` at `granularity` (neuron | block)."""
     if granularity not in GRANULARITIES:
         raise ConfigError("masking.granularity", granularity, f"allowed: {', '.join(GRANULARITIES)}")
     rule = RULES[family]
-    block_type = rule.block_type()
     groups = []
-    for path, block in model.named_modules():
-        if isinstance(block, block_type):
-            groups += [_block_group(path, block, rule)] if granularity == "block" else rule.neurons(path, block)
+    for path, block in blocks(model, family=family):
+        groups += [_block_group(path, block, rule)] if granularity == "block" else rule.neurons(path, block)
     if not groups:
         raise ValueError(f"found no {granularity} units in {type(model).__name__}")
     owned = {s.name for g in groups for s in g.slices}

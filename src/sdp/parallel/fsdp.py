@@ -1,0 +1,116 @@
+"""FSDP2 (`fully_shard`) over all ranks: the sharded-data-parallel baseline (`parallelism=fsdp`).
+
+Every block (the family's decoder layers / BasicBlocks / Swin blocks) is one
+FSDP unit, then the root takes what is left (embeddings, stem, head): each
+rank stores 1/K of every parameter, gradient and optimizer state, all-gathers
+a block's weights just before it runs (and again for its backward, with
+`parallelism.reshard_after_forward`), and reduce-scatters its gradients.
+With `parallelism.mixed_precision=bf16` the gathered weights and the compute
+are bf16 while the sharded master weights, optimizer state and gradient
+reduction stay fp32. Bytes sent are counted at FSDP's own collectives, through
+its custom-communication hooks: the all-gather input is this rank's shard, the
+reduce-scatter input the full gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
+
+from sdp import dist as sdp_dist
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.memory import static_bytes
+from sdp.parallel import ParallelConfig, Strategy
+from sdp.subnet.units import blocks
+
+
+class _CountingAllGather(DefaultAllGather):
+    def __init__(self, comm: CommCounter):
+        self.comm = comm
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.comm.add("param_all_gather", input_tensor.numel() * input_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self, comm: CommCounter):
+        self.comm = comm
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.comm.add("grad_reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2 over all ranks: each rank holds a 1/K shard of everything."""
+
+    def __init__(self, model: nn.Module, cfg: ParallelConfig, *, family: str, device: torch.device, comm: CommCounter):
+        world = torch.distributed.get_world_size()
+        self.full_params = sum(p.numel() for p in model.parameters())
+        self.shared_params = self.full_params
+        self.mesh = sdp_dist.device_mesh(device.type, (world,), ("fsdp",))
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if cfg.mixed_precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        sharded = []
+        for _, block in blocks(model, family=family):
+            sharded.append(
+                fully_shard(block, mesh=self.mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+            )
+        sharded.append(fully_shard(model, mesh=self.mesh, mp_policy=mp))
+        for module in sharded:
+            module.set_custom_all_gather(_CountingAllGather(comm))
+            module.set_custom_reduce_scatter(_CountingReduceScatter(comm))
+        self.model = model
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return _full(torch.nn.utils.clip_grad_norm_(self.trainable(), max_norm))
+
+    @contextlib.contextmanager
+    def eval_model(self):
+        # Buffers are not sharded: each rank's BatchNorm statistics saw its own batches; use rank 0's.
+        for buf in self.model.buffers():
+            torch.distributed.broadcast(buf, src=0)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield self.model  # evaluated sharded: each block gathers its weights as it runs
+        finally:
+            self.model.train(was_training)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: _full(p.detach()) for n, p in self.model.named_parameters()}
+
+    def plain_state_dict(self, eval_model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded state dict under the plain model's names (collective: every rank calls it)."""
+        return get_model_state_dict(eval_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return static_bytes(self.model.parameters(), optimizer)
+
+    def describe(self) -> dict:
+        return {"shared_params": self.shared_params}

@@ -1,0 +1,113 @@
+"""FSDP2, activation checkpointing and bf16: equal numbers, real savings, clear errors."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job_env, launch, read_run
+
+from sdp.compare import torchrun_command
+from sdp.config import load_config
+from sdp.errors import ConfigError
+from sdp.estimate import estimate
+from sdp.models import build_model
+from sdp.parallel.checkpointing import apply_activation_checkpointing
+
+HERE = Path(__file__).parent
+FAMILIES = ("llama", "resnet", "swin")
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def stacking(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stacking") / "stacking.json"
+    cmd = torchrun_command(2, str(HERE / "dist_harness.py"), "stacking", str(out))
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(HERE)), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp2_matches_ddp_and_holds_one_shard(stacking, family):
+    res = stacking[family]  # K = 2, 3 AdamW steps, fp32
+    assert res["fsdp_rel"] <= 1e-6
+    for measured, predicted in res["fsdp_bytes"]:  # each rank: its padded dim-0 shard, not the model
+        assert measured == predicted
+    sent, padded_full = res["fsdp_reduce_scatter_per_step"]
+    assert sent == padded_full  # counted at FSDP's own reduce-scatter
+    assert res["fsdp_all_gather_per_step"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_checkpointing_changes_no_numbers(stacking, family):
+    res = stacking[family]
+    assert res["ddp_ac_full"] == res["ddp_ac_selective"] == 0.0
+    assert res["backward_ac_full"] == res["forward_ac_full"] == 0.0  # SDP at C = 0.5, K = 2
+
+
+def _config(overrides, world_size=2):
+    return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
+
+
+def test_activation_checkpointing_saves_activation_memory():
+    acts = {
+        mode: estimate(_config([*TINY, f"parallelism.activation_checkpointing={mode}"]), world_size=2, rank=0)[
+            "memory"
+        ]["peak_breakdown"]["activations"]
+        for mode in ("none", "selective", "full")
+    }
+    assert acts["full"] < acts["selective"] < acts["none"]
+
+
+@pytest.mark.parametrize("family,blocks", [("llama", 4), ("resnet", 4), ("swin", 4)])
+def test_checkpointing_wraps_every_block_and_keeps_names(family, blocks):
+    from conftest import tiny_model_cfg
+
+    model = build_model(tiny_model_cfg(family))
+    names = [n for n, _ in model.named_parameters()]
+    assert apply_activation_checkpointing(model, family=family, mode="full") == blocks
+    assert [n for n, _ in model.named_parameters()] == names  # state dicts load into the plain model
+
+
+@pytest.mark.dist
+def test_fsdp_bf16_checkpointed_run_through_the_entrypoint(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *TINY,
+        "logger=none",
+        "parallelism=fsdp",
+        "parallelism.mixed_precision=bf16",
+        "parallelism.activation_checkpointing=full",
+        "trainer.max_steps=4",
+        "trainer.grad_accum_steps=2",
+        "dataset.eval_batches=1",
+        f"run_dir={run_dir}",
+    ]
+    proc = launch(overrides, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["parallelism"] == "fsdp"
+    n = summary["n_params"]
+    assert summary["memory"]["params_bytes"] < 4 * n * 0.51  # a shard of the fp32 master weights
+    kinds = summary["comm_bytes_per_step_by_kind"]
+    assert kinds["grad_reduce_scatter"] >= 4 * n and kinds["param_all_gather"] > 0 and kinds["grad_sync"] == 0
+    plain = build_model(_config(TINY).model)
+    plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fragment",
+    [
+        (["parallelism=fsdp", "masking=forward", "masking.coverage=0.5"], "parallelism", "allowed with SDP: ddp"),
+        (["parallelism.activation_checkpointing=some"], "parallelism.activation_checkpointing", "none, full"),
+        (["parallelism.mixed_precision=fp16"], "parallelism.mixed_precision", "allowed: fp32, bf16"),
+    ],
+)
+def test_bad_parallelism_is_one_clear_error(overrides, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        _config([*TINY, *overrides])
+    assert str(info.value).startswith(key) and fragment in str(info.value)
