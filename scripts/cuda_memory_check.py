@@ -33,7 +33,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import peak_flops
 from sdp.optim import build_optimizer
 from sdp.train import build_strategy
-from sdp.trainer import PhaseTimer, micro_batch_size, probe_step, train_step
+from sdp.trainer import PhaseTimer, count_flops, measure_peak, micro_batch_size, train_step
 
 GIB = 2**30
 BASE = ["dataset=fineweb", "dataset.seq_len=1024", "trainer.global_batch_size=64"]
@@ -43,6 +43,21 @@ VARIANTS = {
     "N-SDP forward": ["masking=forward", "masking.coverage=0.5"],
     "B-SDP backward": ["masking=backward", "masking.granularity=block", "masking.coverage=0.5"],
     "B-SDP forward": ["masking=forward", "masking.granularity=block", "masking.coverage=0.5"],
+    # Stacked with activation checkpointing (AC), bf16 and FSDP2 (over the K ranks).
+    "DDP + AC": ["masking=none", "parallelism.activation_checkpointing=full"],
+    "FSDP + AC + bf16": [
+        "masking=none",
+        "parallelism=fsdp",
+        "parallelism.activation_checkpointing=full",
+        "parallelism.mixed_precision=bf16",
+    ],
+    "B-SDP forward C=0.25 + AC + bf16": [
+        "masking=forward",
+        "masking.granularity=block",
+        "masking.coverage=0.25",
+        "parallelism.activation_checkpointing=full",
+        "parallelism.mixed_precision=bf16",
+    ],
 }
 
 
@@ -61,15 +76,15 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
             return train_step(strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer)
 
         strategy.model.train()
-        for _ in range(2):
-            run_step()
+        run_step()
+        _, flops = count_flops(run_step)
         static = strategy.memory(optimizer)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        _, probe = probe_step(strategy, optimizer, run_step)
+        _, peak = measure_peak(strategy, optimizer, run_step)
         _sync(device)
-        out = {"static": static, "tracked_peak": probe["peak"], "flops_per_step": probe["flops_per_step"]}
+        out = {"static": static, "tracked_peak": peak, "flops_per_step": flops}
         if device.type == "cuda":
             out["cuda_max_allocated_probe"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -83,8 +98,8 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
             out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
         out["step_s"] = step_s
         out["tokens_per_s"] = micro * cfg.dataset.seq_len / step_s
-        peak = peak_flops(device)
-        out["mfu"] = probe["flops_per_step"] / step_s / peak if peak else None
+        top = peak_flops(device, cfg.parallelism.mixed_precision)
+        out["mfu"] = flops / step_s / top if top else None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -127,7 +142,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["llama_134m"])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS)[:5], choices=list(VARIANTS))
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

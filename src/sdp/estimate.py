@@ -6,9 +6,9 @@ takes the overrides of a run, plays one rank of a K-worker job in this one
 process and runs three training steps of the run's own code (config, DDP or
 SDP strategy, optimizer, `train_step`) under FakeTensorMode with a fake
 process group: tensors have shapes, dtypes and storages but no data, and no
-collective moves anything. Like a run's profiled step (`trainer.profile_step`,
-3 by default), the third step runs under the live-tensor tracker and FLOP
-counter, after the optimizer state exists. It prints and writes the same memory breakdown as a run's
+collective moves anything. As in a run (`trainer.profile_step`, 3 by default),
+the second step runs under the FLOP counter and the third under the live-tensor
+tracker, after the optimizer state exists. It prints and writes the same memory breakdown as a run's
 `summary.json`, plus the communication bytes per step the rank would send.
 
 Sizes are those of the configured dtypes (fp32 today) and are the same on a
@@ -40,7 +40,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
-from sdp.trainer import PhaseTimer, micro_batch_size, probe_step, train_step
+from sdp.trainer import PhaseTimer, count_flops, measure_peak, micro_batch_size, train_step
 
 GIB = 2**30
 RANK_CHOICES = ("busiest", "all")
@@ -198,11 +198,13 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
                         strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer
                     )
 
-                for _ in range(2):  # as a run's profiled step 3: after the optimizer state exists
-                    run_step()
-                    comm.end_step()
+                # As a run profiles them: step 2's FLOPs, step 3's live peak.
+                run_step()
+                comm.end_step()
+                _, flops = count_flops(run_step)
+                comm.end_step()
                 static = strategy.memory(optimizer)
-                _, probe = probe_step(strategy, optimizer, run_step)
+                _, peak = measure_peak(strategy, optimizer, run_step)
                 comm.end_step()
         except ConfigError:
             raise
@@ -223,8 +225,8 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
         "micro_batch": micro,
         "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
         "n_params": strategy.full_params,
-        "memory": {**static, "peak_bytes": probe["peak"]["total"], "peak_breakdown": probe["peak"]},
-        "flops_per_step": probe["flops_per_step"],
+        "memory": {**static, "peak_bytes": peak["total"], "peak_breakdown": peak},
+        "flops_per_step": flops,
         "comm_bytes_per_step": sum(per_step.values()),
         "comm_bytes_per_step_by_kind": per_step,
         "trace_s": round(time.perf_counter() - start, 2),

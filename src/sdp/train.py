@@ -186,6 +186,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
                 calibration=calibration,
                 calibration_batches=cfg.masking.bn_recalibration_batches,
                 model_path=run_dir / "model.pt",
+                precision=cfg.parallelism.mixed_precision,
             )
         )
         summary["status"] = "completed"

@@ -38,9 +38,9 @@ class TrainerConfig:
     # Write the final evaluated model (assembled under SDP, with its evaluation
     # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
     save_model: bool = True
-    # The step run under the live-tensor memory tracker and the FLOP counter (its
-    # time is left out of the throughput); 0: none. Step 3 is steady state: the
-    # optimizer state exists (step 1) and DDP has re-bucketed its gradients (step 2).
+    # The step run under the live-tensor memory tracker (FLOPs are counted on the
+    # step before it); both are left out of the timings; 0: none. Step 3 is steady
+    # state: the optimizer state exists (step 1) and DDP has re-bucketed (step 2).
     profile_step: int = 3
 
 
@@ -214,17 +214,34 @@ def train_step(
     return step_loss
 
 
-def probe_step(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step) -> tuple[torch.Tensor, dict]:
-    """Run `run_step()` (one train_step) under the live-tensor tracker and the FLOP counter;
-    returns its loss and {"peak": breakdown, "flops_per_step": n}.
+def count_flops(run_step) -> tuple[torch.Tensor, int]:
+    """Run `run_step()` under the FLOP counter; returns its loss and the FLOPs it ran.
+
+    Not in the same step as `measure_peak`: the counter's module tracking keeps the
+    tensors a checkpointed block recomputes alive, which would inflate the peak."""
+    with flop_counter() as flops:
+        loss = run_step()
+    return loss, int(flops.get_total_flops())
+
+
+def measure_peak(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step) -> tuple[torch.Tensor, dict]:
+    """Run `run_step()` under the live-tensor tracker; returns its loss and the peak by kind.
 
     Call it after at least one step, so the optimizer state and the last
     gradients exist and are registered as live when the tracker starts.
     """
-    peak = LivePeak(strategy.model, optimizer)
-    with flop_counter() as flops, peak:
+    with LivePeak(strategy.model, optimizer) as peak:
         loss = run_step()
-    return loss, {"peak": peak.breakdown(), "flops_per_step": int(flops.get_total_flops())}
+    return loss, peak.breakdown()
+
+
+def profile_steps(cfg: TrainerConfig) -> tuple[int, int]:
+    """(the step whose FLOPs are counted, the step whose live peak is measured); 0: none."""
+    if not cfg.profile_step:
+        return 0, 0
+    peak_step = min(cfg.profile_step, cfg.max_steps)
+    flop_step = peak_step - 1 if peak_step > 1 else 2
+    return (flop_step if flop_step <= cfg.max_steps else 0), peak_step
 
 
 def train(
@@ -242,6 +259,7 @@ def train(
     calibration: Iterator[dict] | None = None,
     calibration_batches: int = 0,
     model_path: Path | None = None,
+    precision: str = "fp32",
 ) -> dict:
     """Run `cfg.max_steps` optimizer steps; returns the loop's part of `summary.json`.
 
@@ -261,7 +279,8 @@ def train(
     strategy.model.train()
     timer = PhaseTimer(device)
     train_time, timed_steps, window_loss, window_steps = 0.0, 0, torch.zeros((), device=device), 0
-    memory, measure_memory, last, probe = {}, True, {}, None
+    memory, measure_memory, last, peak, flops = {}, True, {}, None, None
+    flop_step, peak_step = profile_steps(cfg)
     evals: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -271,13 +290,16 @@ def train(
 
     for step in range(1, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        profiling = cfg.profile_step > 0 and step == min(cfg.profile_step, cfg.max_steps)
-        if profiling:  # excluded from the timings: the tracker slows the step down
-            saved = dict(timer.totals)
-            loss, probe = probe_step(strategy, optimizer, run_step)
-            timer.totals = saved
+        profiling = step in (flop_step, peak_step)
+        saved = dict(timer.totals)
+        if step == flop_step:
+            loss, flops = count_flops(run_step)
+        elif step == peak_step:
+            loss, peak = measure_peak(strategy, optimizer, run_step)
         else:
             loss = run_step()
+        if profiling:  # excluded from the timings: the counters slow the step down
+            timer.totals = saved
         window_loss += loss
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         scheduler.step()
@@ -325,14 +347,13 @@ def train(
     phases = {k: v / timed_steps for k, v in timer.totals.items()} if timed_steps else {}
     local = {
         **memory,
-        "peak_bytes": probe["peak"]["total"] if probe else None,
-        "peak_breakdown": probe["peak"] if probe else None,
+        "peak_bytes": peak["total"] if peak else None,
+        "peak_breakdown": peak,
         **cuda_peaks(device),
     }
     per_rank = dist.gather_objects(local)
     per_step = comm.per_step()
     comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
-    flops = probe["flops_per_step"] if probe else None
     out = {
         "steps": cfg.max_steps,
         "train_loss": last["train_loss"],
@@ -349,9 +370,9 @@ def train(
         "comm_bytes_per_step": comm_max.pop("total"),
         "comm_bytes_per_step_by_kind": comm_max,
     }
-    peak = peak_flops(device)
-    if peak and flops and step_time:
-        out["mfu"] = flops / step_time / peak
+    top = peak_flops(device, precision)
+    if top and flops and step_time:
+        out["mfu"] = flops / step_time / top
     return out
 
 

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from sdp import dist as sdp_dist
@@ -30,22 +29,22 @@ from sdp.parallel import ParallelConfig, Strategy
 from sdp.subnet.units import blocks
 
 
-class _CountingAllGather(DefaultAllGather):
-    def __init__(self, comm: CommCounter):
-        self.comm = comm
+def _counting_collectives(comm: CommCounter):
+    """FSDP2's default all-gather and reduce-scatter, counting the bytes handed to them."""
+    # FSDP2's collective classes live in a private module: imported where they are used.
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.comm.add("param_all_gather", input_tensor.numel() * input_tensor.element_size())
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+    class CountingAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            comm.add("param_all_gather", input_tensor.numel() * input_tensor.element_size())
+            return super().__call__(output_tensor, input_tensor, group, async_op)
 
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            comm.add("grad_reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
-class _CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self, comm: CommCounter):
-        self.comm = comm
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.comm.add("grad_reduce_scatter", input_tensor.numel() * input_tensor.element_size())
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    return CountingAllGather(), CountingReduceScatter()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -72,8 +71,9 @@ class FSDPStrategy(Strategy):
             )
         sharded.append(fully_shard(model, mesh=self.mesh, mp_policy=mp))
         for module in sharded:
-            module.set_custom_all_gather(_CountingAllGather(comm))
-            module.set_custom_reduce_scatter(_CountingReduceScatter(comm))
+            all_gather, reduce_scatter = _counting_collectives(comm)
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
         self.model = model
 
     def trainable(self) -> list[nn.Parameter]:
