@@ -54,8 +54,15 @@ def _config(overrides, world_size=2):
 
 
 def test_activation_checkpointing_saves_activation_memory():
-    # Long sequences so that activations, not the logits, set the peak.
-    overrides = [*TINY, "dataset.seq_len=256"]
+    # Deep enough, long sequences and a small vocabulary: the activations and their
+    # recomputation, not the logits, set the peak.
+    overrides = [
+        *TINY,
+        "model.num_layers=8",
+        "model.vocab_size=256",
+        "dataset.vocab_size=256",
+        "dataset.seq_len=512",
+    ]
     mem = {
         mode: estimate(_config([*overrides, f"parallelism.activation_checkpointing={mode}"]), world_size=2, rank=0)[
             "memory"
