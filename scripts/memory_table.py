@@ -9,7 +9,7 @@ backward, SDP forward} x {neuron, block} x C in {0.25, 0.5, 0.75}, on the
 rank that holds the most, and writes OUT.md and OUT.csv. For LLaMA 500M and 1B
 it adds the rows stacked with activation checkpointing (AC, per block), bf16
 mixed precision and FSDP2: the DDP + AC and FSDP baselines, and SDP forward
-masking + AC (+ bf16). SDP x FSDP rows come with the 2-D mesh. Each row is what that
+masking + AC (+ bf16), and block-level SDP forward masking x FSDP2 on K x F ranks. Each row is what that
 rank allocates: live-tensor peak of a steady-state step and its split, and the
 static weights + gradients + optimizer state, with reductions against DDP.
 """
@@ -53,6 +53,14 @@ STACKED = [
     for c in (0.25, 0.5)
     for bf16 in ([], [BF16])
 ]
+# SDP x FSDP: K SDP workers of F ranks each (K x F ranks, the same 8 x 1024 tokens per rank).
+SHARDED_DEGREES = (4,)
+SHARDED = [
+    (f"B-SDP forward x FSDP(F={f}) + AC{' + bf16' if bf16 else ''}", c, f, [AC, *bf16])
+    for f in SHARDED_DEGREES
+    for c in (0.25, 0.5)
+    for bf16 in ([], [BF16])
+]
 STACKED_MODELS = ("llama_500m", "llama_1b")
 
 
@@ -79,6 +87,26 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             print(f"{model:>11} {label:<16} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
             rows.append(row)
     if model in STACKED_MODELS:
+        for label, coverage, f, extra in SHARDED:
+            row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size * f}
+            overrides = base + [
+                "masking=forward",
+                "masking.granularity=block",
+                f"masking.coverage={coverage}",
+                "parallelism=fsdp",
+                f"parallelism.fsdp_degree={f}",
+                "trainer.global_batch_size=" + str(64 * f),
+                *extra,
+            ]
+            try:
+                _, cfg = load_config(overrides, world_size=world_size * f, offline=True, check_data=False)
+                row.update(
+                    est=estimate(cfg, world_size=world_size * f, rank=busiest_rank(cfg, world_size=world_size * f))
+                )
+            except (ConfigError, EstimateError) as err:
+                row.update(error=str(err))
+            print(f"{model:>11} {label:<36} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
+            rows.append(row)
         for label, coverage, extra in STACKED:
             masking = ["masking=none"] if coverage == 1.0 else ["masking=forward", f"masking.coverage={coverage}"]
             row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size}
@@ -150,7 +178,8 @@ def markdown(records: list[dict], *, world_size: int, seconds: float) -> str:
         "weights + gradients + optimizer state. Reductions are against the same model's DDP row. "
         "LLaMA: FineWeb shapes, 8 x 1024 tokens per rank; ResNet-18 and Swin-T: CIFAR-10, 128 images per rank. "
         "AC: activation checkpointing of every block; bf16: bf16 compute with fp32 weights and optimizer state; "
-        "FSDP: FSDP2 over the K ranks. "
+        "FSDP: FSDP2 over the K ranks; SDP x FSDP(F): K = 8 SDP workers of F ranks each (world K x F, the same "
+        "tokens per rank; *rank* is a global rank). "
         "A CUDA run adds the caching allocator's rounding and fragmentation on top (see `max_memory_reserved`).",
         "",
         "| " + " | ".join(title for _, title in COLUMNS) + " |",

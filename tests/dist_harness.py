@@ -65,14 +65,22 @@ def make(family: str, masking: MaskingConfig | None, comm: CommCounter, *, ac: s
     )
 
 
-def train(strategy, family: str, *, steps: int, optimizer=None, first: int = 0):
-    """`steps` optimizer steps (numbered from `first`), with a new AdamW unless one is given."""
-    optimizer = optimizer or build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
+def worker_batch(family: str, worker: int, step: int, fsdp_degree: int = 2) -> dict:
+    """The batches of a worker's `fsdp_degree` ranks in an SDP x FSDP job, as one batch."""
+    parts = [batch(family, worker * fsdp_degree + f, step) for f in range(fsdp_degree)]
+    return {k: torch.cat([b[k] for b in parts]) for k in parts[0]}
+
+
+def train(strategy, family: str, *, steps: int, optimizer=None, first: int = 0, batches=batch, optim=None):
+    """`steps` optimizer steps (numbered from `first`), with a new optimizer (AdamW unless `optim`
+    says otherwise) unless one is given; `batches(family, rank, step)` gives each rank's batch."""
+    optim = optim or OptimConfig(lr=1e-3, weight_decay=0.1)
+    optimizer = optimizer or build_optimizer(strategy.trainable(), optim)
     rank = dist.get_rank()
     strategy.model.train()
     for step in range(first, first + steps):
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = forward_loss(strategy.model, batch(family, rank, step))
+        loss, _ = forward_loss(strategy.model, batches(family, rank, step))
         loss.backward()
         strategy.after_backward()
         optimizer.step()
@@ -153,6 +161,64 @@ def stacking() -> dict:
             checkpointed = make(family, masking, CommCounter(), ac="full")
             train(checkpointed, family, steps=3)
             res[f"{mode}_ac_full"] = max_diff(base, checkpointed.full_parameters())
+        if family in SHARDED_FAMILIES:  # the reference of the SDP x FSDP check (K = 2 workers, F = 2)
+            ref = make(family, SHARDED_MASKING, CommCounter())
+            train(ref, family, steps=3, batches=worker_batch, optim=SHARDED_OPTIM)
+            full = {k: v.detach().clone() for k, v in ref.full_parameters().items()}
+            if dist.get_rank() == 0:
+                torch.save(full, f"{OUT}.{family}.sdp.pt")
+    return out
+
+
+# LayerNorm families only: BatchNorm statistics depend on how a batch is split over ranks.
+SHARDED_FAMILIES = ("llama", "swin")
+SHARDED_MASKING = MaskingConfig(name="forward", granularity="block", coverage=0.5)
+# SGD with momentum: AdamW's normalisation would turn float rounding in near-zero gradients
+# (the two jobs sum in different orders) into visible parameter differences.
+SHARDED_OPTIM = OptimConfig(name="sgd", lr=1e-2, momentum=0.9, weight_decay=0.1)
+
+
+def sharded() -> dict:
+    """K = 2 SDP workers x F = 2 FSDP shards (4 ranks): parameters after 3 steps (saved for the
+    test to compare with plain SDP), and each rank's bytes against a prediction from the mask."""
+    from sdp.parallel.sharded import ShardedSDPStrategy
+
+    out = {}
+    rank = dist.get_rank()
+    for family in SHARDED_FAMILIES:
+        cfg = tiny_model_cfg(family)
+        torch.manual_seed(0)
+        sdp = ShardedSDPStrategy(
+            build_model(cfg),
+            SHARDED_MASKING,
+            family=family,
+            rank=rank,
+            world_size=dist.get_world_size(),
+            parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
+            device=CPU,
+            comm=CommCounter(),
+            bucket_cap_mb=1,
+            make_plain=lambda cfg=cfg: build_model(cfg),
+        )
+        optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
+        full = {k: v.detach().clone() for k, v in sdp.full_parameters().items()}
+        if rank == 0:
+            torch.save(full, f"{OUT}.{family}.sharded.pt")
+        # Predicted: the worker's held blocks and the shared tensors, each dim-0 sharded over
+        # F = 2 and stored padded to ceil(rows / F) rows; SGD's momentum like the unpadded shard.
+        with torch.device("meta"):
+            shapes = {n: p.shape for n, p in build_model(cfg).named_parameters()}
+        held = set(sdp.spec.shared_params)
+        for g, group in enumerate(sdp.spec.groups):
+            if sdp.mask.held_units(sdp.worker, g).size:
+                held |= {s.name for s in group.slices if s.name in shapes}
+        padded = shard = 0
+        for name in held:
+            rows, row = shapes[name][0], shapes[name].numel() // shapes[name][0]
+            padded += -(-rows // 2) * row
+            shard += len(torch.arange(rows).chunk(2)[sdp.shard]) * row if rows > sdp.shard else 0
+        predicted = {"params_bytes": 4 * padded, "grads_bytes": 4 * padded, "optim_bytes": 4 * shard}
+        out[family] = {"bytes": gathered([sdp.memory(optimizer), predicted])}
     return out
 
 
@@ -320,7 +386,8 @@ if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = {"equivalence": equivalence, "holders": holders, "stacking": stacking}[scenario]()
+    OUT = path
+    result = {"equivalence": equivalence, "holders": holders, "stacking": stacking, "sharded": sharded}[scenario]()
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

@@ -20,13 +20,26 @@ FAMILIES = ("llama", "resnet", "swin")
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
 
 
-@pytest.fixture(scope="module")
-def stacking(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stacking") / "stacking.json"
-    cmd = torchrun_command(2, str(HERE / "dist_harness.py"), "stacking", str(out))
+def _harness(scenario: str, nproc: int, out: Path) -> dict:
+    cmd = torchrun_command(nproc, str(HERE / "dist_harness.py"), scenario, str(out))
     proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(HERE)), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def harness_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("stacking")
+
+
+@pytest.fixture(scope="module")
+def stacking(harness_dir):
+    return _harness("stacking", 2, harness_dir / "stacking.json")
+
+
+@pytest.fixture(scope="module")
+def sharded(harness_dir, stacking):  # stacking wrote the plain-SDP reference parameters
+    return _harness("sharded", 4, harness_dir / "sharded.json")
 
 
 @pytest.mark.dist
@@ -47,6 +60,22 @@ def test_activation_checkpointing_changes_no_numbers(stacking, family):
     res = stacking[family]
     assert res["ddp_ac_full"] == res["ddp_ac_selective"] == 0.0
     assert res["backward_ac_full"] == res["forward_ac_full"] == 0.0  # SDP at C = 0.5, K = 2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["llama", "swin"])
+def test_sdp_x_fsdp_matches_sdp_and_holds_c_over_f(harness_dir, sharded, family):
+    # 2 SDP workers x 2 FSDP shards against plain SDP with 2 workers, each fed its two ranks'
+    # batches: B-SDP forward at C = 0.5, 3 SGD steps.
+    reference = torch.load(harness_dir / f"stacking.json.{family}.sdp.pt", weights_only=True)
+    ours = torch.load(harness_dir / f"sharded.json.{family}.sharded.pt", weights_only=True)
+    assert ours.keys() == reference.keys()
+    scale = max(t.abs().max().item() for t in reference.values())
+    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) <= 1e-6 * scale
+    per_rank = sharded[family]["bytes"]  # each rank: its worker's blocks and the shared tensors / F
+    assert len(per_rank) == 4
+    for measured, predicted in per_rank:
+        assert measured == predicted
 
 
 def _config(overrides, world_size=2):
@@ -111,10 +140,43 @@ def test_fsdp_bf16_checkpointed_run_through_the_entrypoint(tmp_path):
     plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
 
 
+@pytest.mark.dist
+def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *TINY,
+        "logger=none",
+        "parallelism=fsdp",
+        "parallelism.fsdp_degree=2",
+        "parallelism.activation_checkpointing=full",
+        "masking=forward",
+        "masking.granularity=block",
+        "masking.coverage=0.5",
+        "trainer.max_steps=3",
+        "dataset.eval_batches=1",
+        f"run_dir={run_dir}",
+    ]
+    proc = launch(overrides, nproc=4, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["fsdp_degree"] == 2 and summary["sdp_workers"] == 2
+    # C = 0.5 of the blocks, then halved again by FSDP: well under half of the model's bytes.
+    assert summary["memory"]["params_bytes"] < 4 * summary["n_params"] / 2
+    assert summary["comm_bytes_per_step_by_kind"]["grad_reduce_scatter"] > 0
+    plain = build_model(_config(TINY).model)
+    plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+
+
 @pytest.mark.parametrize(
     "overrides,key,fragment",
     [
-        (["parallelism=fsdp", "masking=forward", "masking.coverage=0.5"], "parallelism", "allowed with SDP: ddp"),
+        (["parallelism=fsdp", "masking=forward", "masking.coverage=0.5"], "parallelism", "block only"),
+        (["parallelism=fsdp", "masking=backward", "masking.coverage=0.5"], "parallelism", "block only"),
+        (
+            ["parallelism=fsdp", "parallelism.fsdp_degree=3", "masking=forward", "masking.granularity=block"],
+            "parallelism.fsdp_degree",
+            "must divide the world size 2",
+        ),
         (["parallelism.activation_checkpointing=some"], "parallelism.activation_checkpointing", "none, full"),
         (["parallelism.mixed_precision=fp16"], "parallelism.mixed_precision", "allowed: fp32, bf16"),
     ],

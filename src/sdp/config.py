@@ -22,7 +22,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, validate_logger
 from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, validate_model
 from sdp.optim import OptimConfig, validate_optim
-from sdp.parallel import ParallelConfig, validate_parallel
+from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
 from sdp.subnet import MaskingConfig, validate_masking
 from sdp.trainer import TrainerConfig, validate_trainer
 
@@ -131,11 +131,18 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         raise ConfigError("seed", cfg.seed, "must be an integer")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
+    validate_parallel(
+        cfg.parallelism,
+        masking=cfg.masking.name,
+        granularity=cfg.masking.granularity,
+        resample_every=cfg.masking.resample_every,
+        world_size=world_size,
+    )
     if cfg.masking.name != "none":
         from sdp.subnet.strategy import validate_plan
 
-        validate_plan(cfg.model, cfg.masking, world_size=world_size)
-    validate_parallel(cfg.parallelism, masking=cfg.masking.name)
+        workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+        validate_plan(cfg.model, cfg.masking, world_size=workers)
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)

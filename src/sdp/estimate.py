@@ -80,20 +80,23 @@ def parse_args(argv: list[str]) -> EstimateArgs:
 
 
 def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
-    """The rank holding the most unit parameters under the run's mask (0 under DDP)."""
+    """The rank holding the most unit parameters under the run's mask (0 under DDP); under
+    SDP x FSDP, shard 0 of the busiest worker."""
     if cfg.masking.name == "none":
         return 0
+    from sdp.parallel import sdp_workers
     from sdp.subnet.strategy import plan_mask
 
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
     with torch.device("meta"):
         model = build_model(cfg.model)
-    spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=world_size)
+    spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=workers)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     held = [
         sum(mask.held_units(w, g).size * group.unit_numel(shapes) for g, group in enumerate(spec.groups))
-        for w in range(world_size)
+        for w in range(workers)
     ]
-    return max(range(world_size), key=lambda w: held[w])
+    return max(range(workers), key=lambda w: held[w]) * (world_size // workers)
 
 
 def dummy_batch(cfg: RunConfig, micro: int) -> dict:

@@ -25,6 +25,7 @@ from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.fsdp import FSDPStrategy
+from sdp.parallel.sharded import ShardedSDPStrategy
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import micro_batch_size, train
 
@@ -81,9 +82,7 @@ def build_strategy(
         with torch.device(device):
             return build(cfg.model)
 
-    return SDPStrategy(
-        build(cfg.model),
-        cfg.masking,
+    common = dict(
         family=cfg.model.family,
         rank=world.rank,
         world_size=world.world_size,
@@ -92,8 +91,11 @@ def build_strategy(
         bucket_cap_mb=par.bucket_cap_mb,
         make_plain=make_plain,
         prepare=checkpointing,
-        autocast_dtype=torch.bfloat16 if par.mixed_precision == "bf16" else None,
     )
+    if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
+        return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
+    autocast = torch.bfloat16 if par.mixed_precision == "bf16" else None
+    return SDPStrategy(build(cfg.model), cfg.masking, autocast_dtype=autocast, **common)
 
 
 def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int):

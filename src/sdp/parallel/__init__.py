@@ -35,9 +35,24 @@ class ParallelConfig:
     # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
     mixed_precision: str = "fp32"
     reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
+    # fsdp with SDP masking: F, the ranks that shard each SDP worker's subnetwork
+    # (K = world_size / F workers). Unused by plain FSDP, which shards over all ranks.
+    fsdp_degree: int = 1
 
 
-def validate_parallel(cfg: ParallelConfig, *, masking: str = "none") -> None:
+def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
+    """K, the number of SDP workers: the world, or world / F under SDP x FSDP."""
+    return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and masking != "none" else world_size
+
+
+def validate_parallel(
+    cfg: ParallelConfig,
+    *,
+    masking: str = "none",
+    granularity: str = "neuron",
+    resample_every: int = 0,
+    world_size: int = 1,
+) -> None:
     if cfg.name not in PARALLELISMS:
         raise ConfigError("parallelism.name", cfg.name, f"allowed: {', '.join(PARALLELISMS)}")
     if cfg.activation_checkpointing not in AC_MODES:
@@ -46,12 +61,26 @@ def validate_parallel(cfg: ParallelConfig, *, masking: str = "none") -> None:
         )
     if cfg.mixed_precision not in PRECISIONS:
         raise ConfigError("parallelism.mixed_precision", cfg.mixed_precision, f"allowed: {', '.join(PRECISIONS)}")
+    if cfg.fsdp_degree < 1:
+        raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
     if cfg.name == "fsdp" and masking != "none":
-        raise ConfigError(
-            "parallelism",
-            cfg.name,
-            f"with masking={masking} (SDP x FSDP on a 2-D mesh) is not built yet; allowed with SDP: ddp",
-        )
+        if masking != "forward" or granularity != "block":
+            raise ConfigError(
+                "parallelism",
+                cfg.name,
+                f"with masking={masking} masking.granularity={granularity}: SDP x FSDP is built for "
+                "masking=forward masking.granularity=block only; allowed otherwise: parallelism=ddp",
+            )
+        if world_size % cfg.fsdp_degree:
+            raise ConfigError(
+                "parallelism.fsdp_degree",
+                cfg.fsdp_degree,
+                f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
+            )
+        if resample_every:
+            raise ConfigError(
+                "masking.resample_every", resample_every, "resampling under SDP x FSDP is not built yet: must be 0"
+            )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", cfg.backend, "allowed: auto, gloo, nccl")
     if cfg.bucket_cap_mb <= 0:

@@ -29,7 +29,7 @@ from sdp.parallel import ParallelConfig, Strategy
 from sdp.subnet.units import blocks
 
 
-def _counting_collectives(comm: CommCounter):
+def counting_collectives(comm: CommCounter):
     """FSDP2's default all-gather and reduce-scatter, counting the bytes handed to them."""
     # FSDP2's collective classes live in a private module: imported where they are used.
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -47,6 +47,13 @@ def _counting_collectives(comm: CommCounter):
     return CountingAllGather(), CountingReduceScatter()
 
 
+def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
+    """bf16 gathered weights and compute with fp32 gradient reduction, or plain fp32."""
+    if cfg.mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -59,11 +66,7 @@ class FSDPStrategy(Strategy):
         self.full_params = sum(p.numel() for p in model.parameters())
         self.shared_params = self.full_params
         self.mesh = sdp_dist.device_mesh(device.type, (world,), ("fsdp",))
-        mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if cfg.mixed_precision == "bf16"
-            else MixedPrecisionPolicy()
-        )
+        mp = mixed_precision_policy(cfg)
         sharded = []
         for _, block in blocks(model, family=family):
             sharded.append(
@@ -71,7 +74,7 @@ class FSDPStrategy(Strategy):
             )
         sharded.append(fully_shard(model, mesh=self.mesh, mp_policy=mp))
         for module in sharded:
-            all_gather, reduce_scatter = _counting_collectives(comm)
+            all_gather, reduce_scatter = counting_collectives(comm)
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
         self.model = model

@@ -170,16 +170,22 @@ def fold_eval_scaling(full: nn.Module, spec: UnitSpec, coverage: float) -> None:
             module.bias.mul_(coverage)
 
 
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and (non-None) buffers by name."""
+    return dict(_named_tensors(model))
+
+
 def forward_assembly(
-    local: nn.Module, full: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int
+    local_t: dict[str, torch.Tensor], full: nn.Module, spec: UnitSpec, chunks: list[Chunk], *, rank: int
 ) -> list[Transfer]:
-    """Transfers that fill `full` (a fresh plain model) from the holders' submodels.
+    """Transfers that fill `full` (a fresh plain model) from the holders' submodels, given
+    this worker's (`rank`'s) submodel tensors by name, unsharded.
 
     Shared parameters are the same on every rank and are copied locally by the
     caller; shared float buffers (BatchNorm statistics) come from rank 0, as
     DDP's do; unit tensors come from their first holder.
     """
-    local_t, full_t = dict(_named_tensors(local)), dict(_named_tensors(full))
+    full_t = dict(_named_tensors(full))
     shapes = {n: t.shape for n, t in full_t.items()}
     placements = {n: lt for n, lt in local_tensors(chunks, rank=rank, shapes=shapes).items()}
     transfers = []

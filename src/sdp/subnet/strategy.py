@@ -20,10 +20,11 @@ from sdp.subnet.apply import (
     backward_buffer_sync,
     fold_eval_scaling,
     forward_assembly,
+    named_tensors,
 )
 from sdp.subnet.mask import Mask, build_mask, mask_stats
 from sdp.subnet.resample import gather_state, place_state
-from sdp.subnet.sync import GradSync, HolderGroups, broadcast_from_holders
+from sdp.subnet.sync import GradSync, HolderGroups, Transfer, broadcast_from_holders
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
@@ -97,7 +98,8 @@ class SDPStrategy(Strategy):
         self.full_params = sum(s.numel() for s in self.shapes.values())
         self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
         self.plain_names = list(self.shapes)
-        self.groups = HolderGroups([tuple(range(world_size))], world_size=world_size)
+        self.groups = HolderGroups([], world_size=torch.distributed.get_world_size())
+        self._register_groups([tuple(range(world_size))])
         self._install(model)
 
     def _install(self, model: nn.Module) -> None:
@@ -106,21 +108,44 @@ class SDPStrategy(Strategy):
             # Slice where the full model is, then move only the submodel: when it is on the
             # host, the device never holds the full model.
             self.subnet, self.chunks = apply_forward_masking(
-                model, self.spec, self.mask, rank=self.rank, scale=resolved_scale(self.cfg)
+                model, self.spec, self.mask, rank=self.worker, scale=resolved_scale(self.cfg)
             )
             move_to(self.subnet.model, self.device)
         else:
             # Pieces view the full weights: they must be made where the weights live.
             self.subnet, self.chunks = apply_backward_masking(
-                move_to(model, self.device), self.spec, self.mask, rank=self.rank
+                move_to(model, self.device), self.spec, self.mask, rank=self.worker
             )
         self.model = self.subnet.model
         if self.prepare is not None:
             self.prepare(self.model)
-        self.groups.add(self.mask.holder_sets())
+        self._register_groups(self.mask.holder_sets())
         self.sync = GradSync(
-            self.subnet.grad_entries, groups=self.groups, comm=self.comm, bucket_cap_mb=self.bucket_cap_mb
+            self._finish_subnet(), groups=self.groups, comm=self.comm, bucket_cap_mb=self.bucket_cap_mb
         )
+
+    # Hooks for SDP x FSDP (sdp.parallel.sharded), where a worker is a group of ranks.
+
+    @property
+    def worker(self) -> int:
+        """This rank's SDP worker (its index in the mask)."""
+        return self.rank
+
+    def _register_groups(self, holder_sets) -> None:
+        """Process groups for holder sets of workers (collective: every rank, same sets)."""
+        self.groups.add(holder_sets)
+
+    def _finish_subnet(self) -> list:
+        """Last touches to a new subnetwork; returns its gradient entries (holders as ranks)."""
+        return self.subnet.grad_entries
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This worker's submodel tensors by name, unsharded."""
+        return named_tensors(self.model)
+
+    def _rank_space(self, transfers: list[Transfer]) -> list[Transfer]:
+        """Transfers whose sources are workers, with ranks as sources."""
+        return transfers
 
     def resample(self, step: int, optimizer: torch.optim.Optimizer) -> bool:
         """After optimizer step `step`, every masking.resample_every steps: draw the next mask,
@@ -219,10 +244,10 @@ class SDPStrategy(Strategy):
         `fold_eval_scale`, as evaluated (masking.scale=eval_coverage folded into its weights).
         With `comm_kind`, the bytes sent are counted under that kind."""
         full = self._fresh_plain()
-        local = dict(self.model.named_parameters())
+        local = self._local_tensors()
         for name in self.spec.shared_params:
             full.get_parameter(name).copy_(local[name])
-        transfers = forward_assembly(self.model, full, self.spec, self.chunks, rank=self.rank)
+        transfers = self._rank_space(forward_assembly(local, full, self.spec, self.chunks, rank=self.worker))
         broadcast_from_holders(
             transfers,
             rank=self.rank,

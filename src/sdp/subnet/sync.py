@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.memory import local
 
 
 class HolderGroups:
@@ -111,7 +112,7 @@ class GradSync:
             if group is None:  # a single holder: its gradient is already the average
                 continue
             for bucket in _buckets(pieces, numel=lambda p: p.numel, cap_elems=self.cap_elems):
-                grads = [p.view(p.tensor.grad) for p in bucket]
+                grads = [p.view(local(p.tensor.grad)) for p in bucket]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 self.comm.add(kind, flat.numel() * flat.element_size())
                 dist.all_reduce(flat, group=group)
@@ -129,7 +130,7 @@ class GradSync:
             if holders[0] != rank:
                 continue
             for p in pieces:
-                total += p.view(p.tensor.grad).double().pow(2).sum()
+                total += p.view(local(p.tensor.grad)).double().pow(2).sum()
         dist.all_reduce(total)
         return total.sqrt()
 
