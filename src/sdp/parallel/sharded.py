@@ -66,6 +66,10 @@ class ShardedSDPStrategy(SDPStrategy):
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
         # fully_shard made new (DTensor) parameters: point the trainables and the sync at them.
+        # Block units and shared tensors are whole tensors: a shard of one is the same positions
+        # on every holder (a sliced piece would not be, hence block granularity only).
+        if any(e.piece.dim is not None for e in self.subnet.grad_entries):
+            raise ValueError("SDP x FSDP needs whole-tensor units (masking.granularity=block, forward masking)")
         params = dict(self.model.named_parameters())
         self.subnet.trainable = list(self.model.parameters())
         return [
