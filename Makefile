@@ -41,7 +41,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not dist"
 
-# Estimated per-rank memory of the paper-scale configs (GPU-free; about 5 min on 2 cores).
+# Estimated per-rank memory of the paper-scale configs (GPU-free; about 3 min on 2 cores).
 memory-table: setup
 	$(PY) scripts/memory_table.py --world-size 8 --out results/tables/memory_estimates
 
