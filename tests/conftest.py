@@ -43,3 +43,31 @@ def tiny_model_cfg(family: str):
 
     model, dataset = TINY_MODELS[family]
     return typed_config([f"model={model}", f"dataset={dataset}"])[1].model
+
+
+def run_harness(scenario: str, nproc: int, out: Path) -> dict:
+    """Run one scenario of tests/dist_harness.py under torchrun; returns what rank 0 wrote to `out`."""
+    here = Path(__file__).parent
+    cmd = torchrun_command(nproc, str(here / "dist_harness.py"), scenario, str(out))
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(here)), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def estimator_config(overrides: list[str], world_size: int = 2):
+    """A typed, validated run config as the memory estimator loads it (no data checks)."""
+    from sdp.config import load_config
+
+    return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
+
+
+def load_model_pt(run_dir: Path, overrides: list[str]):
+    """A run's model.pt loaded, strictly, into a freshly built plain model, in eval mode."""
+    import torch
+
+    from sdp.config import typed_config
+    from sdp.models import build_model
+
+    model = build_model(typed_config(overrides)[1].model)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+    return model.eval()

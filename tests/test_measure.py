@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from conftest import launch, read_run
+from conftest import estimator_config, launch, read_run
 
-from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.estimate import EstimateError, estimate, main, parse_args
 from sdp.trainer import forward_loss
@@ -15,10 +14,6 @@ VARIANTS = {
     "forward-neuron": ["masking=forward", "masking.coverage=0.5"],
     "backward-block": ["masking=backward", "masking.coverage=0.5", "masking.granularity=block"],
 }
-
-
-def _config(overrides: list[str], world_size: int = 2):
-    return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +32,7 @@ def real_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def estimates():
     return {
-        name: [estimate(_config(TINY + masking), world_size=2, rank=r) for r in range(2)]
+        name: [estimate(estimator_config(TINY + masking), world_size=2, rank=r) for r in range(2)]
         for name, masking in VARIANTS.items()
     }
 
@@ -79,8 +74,8 @@ def test_real_runs_report_a_live_peak_split_and_flops(real_runs):
 
 
 def test_backward_masking_computes_fewer_weight_gradient_flops():
-    ddp = estimate(_config(TINY + VARIANTS["ddp"], 4), world_size=4, rank=0)
-    bwd = estimate(_config(TINY + ["masking=backward", "masking.coverage=0.5"], 4), world_size=4, rank=0)
+    ddp = estimate(estimator_config(TINY + VARIANTS["ddp"], 4), world_size=4, rank=0)
+    bwd = estimate(estimator_config(TINY + ["masking=backward", "masking.coverage=0.5"], 4), world_size=4, rank=0)
     # Same forward, same activation gradients; weight gradients only for held rows/columns.
     assert bwd["flops_per_step"] < ddp["flops_per_step"]
     assert bwd["memory"]["peak_bytes"] < ddp["memory"]["peak_bytes"]
@@ -95,10 +90,10 @@ def test_untraceable_step_is_one_clear_error(monkeypatch):
 
     monkeypatch.setattr(sdp.trainer, "forward_loss", data_dependent)
     with pytest.raises(EstimateError, match=r"cannot trace a training step of model=llama_tiny masking=none "):
-        estimate(_config(TINY), world_size=2, rank=1)
+        estimate(estimator_config(TINY), world_size=2, rank=1)
     monkeypatch.undo()
     # The fake process group was torn down: the next estimate starts cleanly.
-    assert estimate(_config(TINY), world_size=2, rank=1)["memory"]["peak_bytes"] > 0
+    assert estimate(estimator_config(TINY), world_size=2, rank=1)["memory"]["peak_bytes"] > 0
 
 
 @pytest.mark.parametrize(
@@ -134,7 +129,7 @@ def test_live_peak_counts_each_kind_and_keeps_nothing_alive():
     from sdp.metrics.memory import LivePeak
     from sdp.models import build_model
 
-    model = build_model(_config(TINY).model)
+    model = build_model(estimator_config(TINY).model)
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"inputs": torch.randint(0, 100, (2, 32)), "targets": torch.randint(0, 100, (2, 32))}
 
@@ -166,6 +161,6 @@ def test_estimator_traces_every_family_and_mode(family, masking):
     overrides = [f"model={model}", f"dataset={dataset}", "trainer.global_batch_size=8", *masking]
     if masking != ["masking=none"]:
         overrides.append("masking.coverage=0.5")
-    est = estimate(_config(overrides), world_size=2, rank=1)
+    est = estimate(estimator_config(overrides), world_size=2, rank=1)
     mem = est["memory"]
     assert mem["peak_bytes"] > mem["params_bytes"] > 0 and est["flops_per_step"] > 0

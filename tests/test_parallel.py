@@ -1,30 +1,16 @@
 """FSDP2, activation checkpointing and bf16: equal numbers, real savings, clear errors."""
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import job_env, launch, read_run
+from conftest import estimator_config, launch, load_model_pt, read_run, run_harness
 
-from sdp.compare import torchrun_command
-from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.estimate import estimate
 from sdp.models import build_model
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 
-HERE = Path(__file__).parent
 FAMILIES = ("llama", "resnet", "swin")
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
-
-
-def _harness(scenario: str, nproc: int, out: Path) -> dict:
-    cmd = torchrun_command(nproc, str(HERE / "dist_harness.py"), scenario, str(out))
-    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(HERE)), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +20,12 @@ def harness_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stacking(harness_dir):
-    return _harness("stacking", 2, harness_dir / "stacking.json")
+    return run_harness("stacking", 2, harness_dir / "stacking.json")
 
 
 @pytest.fixture(scope="module")
 def sharded(harness_dir, stacking):  # stacking wrote the plain-SDP reference parameters
-    return _harness("sharded", 4, harness_dir / "sharded.json")
+    return run_harness("sharded", 4, harness_dir / "sharded.json")
 
 
 @pytest.mark.dist
@@ -78,10 +64,6 @@ def test_sdp_x_fsdp_matches_sdp_and_holds_c_over_f(harness_dir, sharded, family)
         assert measured == predicted
 
 
-def _config(overrides, world_size=2):
-    return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
-
-
 def test_activation_checkpointing_saves_activation_memory():
     # Deep enough, long sequences and a small vocabulary: the activations and their
     # recomputation, not the logits, set the peak.
@@ -93,9 +75,9 @@ def test_activation_checkpointing_saves_activation_memory():
         "dataset.seq_len=512",
     ]
     mem = {
-        mode: estimate(_config([*overrides, f"parallelism.activation_checkpointing={mode}"]), world_size=2, rank=0)[
-            "memory"
-        ]
+        mode: estimate(
+            estimator_config([*overrides, f"parallelism.activation_checkpointing={mode}"]), world_size=2, rank=0
+        )["memory"]
         for mode in ("none", "selective", "full")
     }
     acts = {mode: m["peak_breakdown"]["activations"] for mode, m in mem.items()}
@@ -136,8 +118,7 @@ def test_fsdp_bf16_checkpointed_run_through_the_entrypoint(tmp_path):
     assert summary["memory"]["params_bytes"] < 4 * n * 0.51  # a shard of the fp32 master weights
     kinds = summary["comm_bytes_per_step_by_kind"]
     assert kinds["grad_reduce_scatter"] >= 4 * n and kinds["param_all_gather"] > 0 and kinds["grad_sync"] == 0
-    plain = build_model(_config(TINY).model)
-    plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+    load_model_pt(run_dir, TINY)
 
 
 @pytest.mark.dist
@@ -163,8 +144,7 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
     # C = 0.5 of the blocks, then halved again by FSDP: well under half of the model's bytes.
     assert summary["memory"]["params_bytes"] < 4 * summary["n_params"] / 2
     assert summary["comm_bytes_per_step_by_kind"]["grad_reduce_scatter"] > 0
-    plain = build_model(_config(TINY).model)
-    plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
+    load_model_pt(run_dir, TINY)
 
 
 @pytest.mark.parametrize(
@@ -183,5 +163,5 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
 )
 def test_bad_parallelism_is_one_clear_error(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
-        _config([*TINY, *overrides])
+        estimator_config([*TINY, *overrides])
     assert str(info.value).startswith(key) and fragment in str(info.value)

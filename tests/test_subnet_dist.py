@@ -1,35 +1,20 @@
 """SDP across processes (gloo, CPU): two torchrun launches run every check in tests/dist_harness.py."""
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
-from conftest import job_env
-
-from sdp.compare import torchrun_command
+from conftest import run_harness
 
 pytestmark = pytest.mark.dist
-HERE = Path(__file__).parent
 FAMILIES = ("llama", "resnet", "swin")
-
-
-def _harness(scenario: str, nproc: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"{scenario}.json"
-    cmd = torchrun_command(nproc, str(HERE / "dist_harness.py"), scenario, str(out))
-    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(HERE)), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def equivalence(tmp_path_factory):
-    return _harness("equivalence", 2, tmp_path_factory.mktemp("eq"))
+    return run_harness("equivalence", 2, tmp_path_factory.mktemp("eq") / "equivalence.json")
 
 
 @pytest.fixture(scope="module")
 def holders(tmp_path_factory):
-    return _harness("holders", 4, tmp_path_factory.mktemp("holders"))
+    return run_harness("holders", 4, tmp_path_factory.mktemp("holders") / "holders.json")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

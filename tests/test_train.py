@@ -6,10 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, read_run
-
-from sdp.config import typed_config
-from sdp.models import build_model
+from conftest import launch, load_model_pt, read_run
 
 pytestmark = pytest.mark.dist
 
@@ -66,7 +63,7 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert summary["tokens_or_samples_per_s"] > 0
     if family == "resnet":
         assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
-        _load_plain(run_dir, FAMILIES[family][:2])
+        load_model_pt(run_dir, FAMILIES[family][:2])
 
 
 def test_bad_override_fails_before_any_process_group(tmp_path):
@@ -89,13 +86,6 @@ def test_failure_after_launch_is_recorded_in_the_summary(tmp_path):
     summary, _ = read_run(run_dir)
     assert summary["status"] == "failed"
     assert summary["error"].startswith("ConfigError: trainer.global_batch_size='16 per rank': must be <= 8")
-
-
-def _load_plain(run_dir: Path, overrides: list[str]) -> torch.nn.Module:
-    """The run's model.pt loaded, strictly, into a freshly built plain model."""
-    model = build_model(typed_config(overrides)[1].model)
-    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
-    return model.eval()
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward"])
@@ -132,5 +122,5 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
     # Before and after the resample, each rank holds 2 of the 4 blocks and the shared tensors, not everything.
     assert summary["memory"]["grads_bytes"] < 4 * summary["n_params"]
     assert len([r for r in records if "eval_loss" in r]) == 2
-    plain = _load_plain(run_dir, model)
+    plain = load_model_pt(run_dir, model)
     assert torch.isfinite(plain(torch.randn(2, 3, 32, 32))).all()

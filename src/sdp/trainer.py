@@ -351,7 +351,9 @@ def train(
         "peak_breakdown": peak,
         **cuda_peaks(device),
     }
-    per_rank = dist.gather_objects(local)
+    gathered = dist.gather_objects((local, flops))
+    per_rank = [mem for mem, _ in gathered]
+    flops_max = max((f for _, f in gathered if f is not None), default=None)
     per_step = comm.per_step()
     comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
     out = {
@@ -363,7 +365,7 @@ def train(
         "tokens_or_samples_per_s_per_rank": units_per_step / world.world_size / step_time if step_time else None,
         "step_time_s": step_time,
         "step_time_split_s": phases,
-        "flops_per_step_per_rank": _max_of(flops, device=device),
+        "flops_per_step_per_rank": flops_max,
         "memory": _busiest(per_rank),
         "memory_per_rank": per_rank,
         # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
@@ -388,13 +390,6 @@ def _busiest(per_rank: list[dict]) -> dict:
     with_peak = [r for r in per_rank if r["peak_breakdown"] is not None]
     out["peak_breakdown"] = max(with_peak, key=lambda r: r["peak_bytes"])["peak_breakdown"] if with_peak else None
     return out
-
-
-def _max_of(value: int | None, *, device: torch.device) -> int | None:
-    """The largest value over the ranks (None when no rank measured it)."""
-    t = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce_(t, op="max")
-    return None if t.item() < 0 else int(t.item())
 
 
 def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
