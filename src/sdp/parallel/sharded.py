@@ -80,9 +80,9 @@ class ShardedSDPStrategy(SDPStrategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self.sync.global_norm(rank=self.rank)
         coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-        for p in self.subnet.trainable:
-            if p.grad is not None:
-                local(p.grad).mul_(coef.to(local(p.grad).device))
+        grads = [local(p.grad) for p in self.subnet.trainable if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))  # each rank scales its own shards
         return norm
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
