@@ -8,10 +8,11 @@ FakeTensorMode, one rank of a K-worker job) for every model x {DDP, SDP
 backward, SDP forward} x {neuron, block} x C in {0.25, 0.5, 0.75}, on the
 rank that holds the most, and writes OUT.md and OUT.csv. For LLaMA 500M and 1B
 it adds the rows stacked with activation checkpointing (AC, per block), bf16
-mixed precision and FSDP2: the DDP + AC and FSDP baselines, and SDP forward
-masking + AC (+ bf16), and block-level SDP forward masking x FSDP2 on K x F ranks. Each row is what that
-rank allocates: live-tensor peak of a steady-state step and its split, and the
-static weights + gradients + optimizer state, with reductions against DDP.
+mixed precision and FSDP2: the DDP + AC and FSDP baselines, SDP forward
+masking + AC (+ bf16), and SDP forward masking (neuron and block level) x
+FSDP2 on K x F ranks. Each row is what that rank allocates: live-tensor peak
+of a steady-state step and its split, and the static weights + gradients +
+optimizer state, with reductions against DDP.
 """
 
 from __future__ import annotations
@@ -56,7 +57,13 @@ STACKED = [
 # SDP x FSDP: K SDP workers of F ranks each (K x F ranks, the same 8 x 1024 tokens per rank).
 SHARDED_DEGREES = (4,)
 SHARDED = [
-    (f"B-SDP forward x FSDP(F={f}) + AC{' + bf16' if bf16 else ''}", c, f, [AC, *bf16])
+    (
+        f"{g[0].upper()}-SDP forward x FSDP(F={f}) + AC{' + bf16' if bf16 else ''}",
+        c,
+        f,
+        [f"masking.granularity={g}", AC, *bf16],
+    )
+    for g in ("neuron", "block")
     for f in SHARDED_DEGREES
     for c in (0.25, 0.5)
     for bf16 in ([], [BF16])
@@ -91,7 +98,6 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size * f}
             overrides = base + [
                 "masking=forward",
-                "masking.granularity=block",
                 f"masking.coverage={coverage}",
                 "parallelism=fsdp",
                 f"parallelism.fsdp_degree={f}",

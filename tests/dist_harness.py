@@ -161,64 +161,99 @@ def stacking() -> dict:
             checkpointed = make(family, masking, CommCounter(), ac="full")
             train(checkpointed, family, steps=3)
             res[f"{mode}_ac_full"] = max_diff(base, checkpointed.full_parameters())
-        if family in SHARDED_FAMILIES:  # the reference of the SDP x FSDP check (K = 2 workers, F = 2)
-            ref = make(family, SHARDED_MASKING, CommCounter())
-            train(ref, family, steps=3, batches=worker_batch, optim=SHARDED_OPTIM)
-            full = {k: v.detach().clone() for k, v in ref.full_parameters().items()}
-            if dist.get_rank() == 0:
-                torch.save(full, f"{OUT}.{family}.sdp.pt")
+        if family in SHARDED_FAMILIES:  # the references of the SDP x FSDP check (K = 2 workers, F = 2)
+            for gran, masking in SHARDED_MASKINGS.items():
+                ref = make(family, masking, CommCounter())
+                train(ref, family, steps=3, batches=worker_batch, optim=SHARDED_OPTIM)
+                full = {k: v.detach().clone() for k, v in ref.full_parameters().items()}
+                if dist.get_rank() == 0:
+                    torch.save(full, f"{OUT}.{family}.{gran}.sdp.pt")
     return out
 
 
 # LayerNorm families only: BatchNorm statistics depend on how a batch is split over ranks.
 SHARDED_FAMILIES = ("llama", "swin")
-SHARDED_MASKING = MaskingConfig(name="forward", granularity="block", coverage=0.5)
+SHARDED_MASKINGS = {
+    "neuron": MaskingConfig(name="forward", granularity="neuron", coverage=0.5),
+    "block": MaskingConfig(name="forward", granularity="block", coverage=0.5),
+}
 # SGD with momentum: AdamW's normalisation would turn float rounding in near-zero gradients
 # (the two jobs sum in different orders) into visible parameter differences.
 SHARDED_OPTIM = OptimConfig(name="sgd", lr=1e-2, momentum=0.9, weight_decay=0.1)
 
 
+def _predicted_sharded_bytes(sdp, shapes: dict[str, torch.Size], fsdp_degree: int) -> dict[str, int]:
+    """Static bytes of one SDP x FSDP rank, from the mask and the sharding rule alone.
+
+    The worker's tensors: shared ones whole, held blocks whole, neuron-sliced ones with
+    the held units' positions along the sliced dim. FSDP shards a tensor sliced along
+    dim 0 along its largest other dim that F divides (exactly 1/F), replicates it when
+    there is none (1-D biases), and shards everything else along dim 0, stored (with
+    its gradient) padded to ceil(rows / F) rows; SGD's momentum is the unpadded shard.
+    """
+    f, shard = fsdp_degree, sdp.shard
+    local: dict[str, tuple[list[int], int | None]] = {n: (list(shapes[n]), None) for n in sdp.spec.shared_params}
+    for g, group in enumerate(sdp.spec.groups):
+        held = torch.as_tensor(sdp.mask.held_units(sdp.worker, g), dtype=torch.long)
+        for s in group.slices:
+            if s.is_buffer or s.name not in shapes or held.numel() == 0:
+                continue
+            shape = list(shapes[s.name])
+            if s.dim is not None:
+                shape[s.dim] = s.unit_positions(held).numel()
+            local[s.name] = (shape, s.dim)
+    params = grads = momentum = 0
+    for shape, sliced in local.values():
+        numel = torch.Size(shape).numel()
+        even = [j for j in range(1, len(shape)) if shape[j] % f == 0] if sliced == 0 else []
+        if sliced == 0 and not even:  # replicated on the worker's ranks
+            params, grads, momentum = params + numel, grads + numel, momentum + numel
+        elif even:
+            params, grads, momentum = params + numel // f, grads + numel // f, momentum + numel // f
+        else:
+            rows, row = shape[0], numel // shape[0] if shape[0] else 0
+            per = -(-rows // f)
+            params, grads = params + per * row, grads + per * row
+            momentum += max(0, min(rows, (shard + 1) * per) - shard * per) * row
+    return {"params_bytes": 4 * params, "grads_bytes": 4 * grads, "optim_bytes": 4 * momentum}
+
+
 def sharded() -> dict:
-    """K = 2 SDP workers x F = 2 FSDP shards (4 ranks): parameters after 3 steps (saved for the
-    test to compare with plain SDP), and each rank's bytes against a prediction from the mask."""
+    """K = 2 SDP workers x F = 2 FSDP shards (4 ranks), forward masking at both granularities:
+    parameters after 3 steps (saved for the test to compare with plain SDP), and each rank's
+    bytes against a prediction from the mask."""
     from sdp.parallel.sharded import ShardedSDPStrategy
 
     out = {}
     rank = dist.get_rank()
-    for family in SHARDED_FAMILIES:
+    for family in TINY_MODELS:  # ResNet for the bytes (its BatchNorm weights are replicated)
         cfg = tiny_model_cfg(family)
-        torch.manual_seed(0)
-        sdp = ShardedSDPStrategy(
-            build_model(cfg),
-            SHARDED_MASKING,
-            family=family,
-            rank=rank,
-            world_size=dist.get_world_size(),
-            parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
-            device=CPU,
-            comm=CommCounter(),
-            bucket_cap_mb=1,
-            make_plain=lambda cfg=cfg: build_model(cfg),
-        )
-        optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
-        full = {k: v.detach().clone() for k, v in sdp.full_parameters().items()}
-        if rank == 0:
-            torch.save(full, f"{OUT}.{family}.sharded.pt")
-        # Predicted: the worker's held blocks and the shared tensors, each dim-0 sharded over
-        # F = 2 and stored padded to ceil(rows / F) rows; SGD's momentum like the unpadded shard.
         with torch.device("meta"):
             shapes = {n: p.shape for n, p in build_model(cfg).named_parameters()}
-        held = set(sdp.spec.shared_params)
-        for g, group in enumerate(sdp.spec.groups):
-            if sdp.mask.held_units(sdp.worker, g).size:
-                held |= {s.name for s in group.slices if s.name in shapes}
-        padded = shard = 0
-        for name in held:
-            rows, row = shapes[name][0], shapes[name].numel() // shapes[name][0]
-            padded += -(-rows // 2) * row
-            shard += len(torch.arange(rows).chunk(2)[sdp.shard]) * row if rows > sdp.shard else 0
-        predicted = {"params_bytes": 4 * padded, "grads_bytes": 4 * padded, "optim_bytes": 4 * shard}
-        out[family] = {"bytes": gathered([sdp.memory(optimizer), predicted])}
+        out[family] = {}
+        for gran, masking in SHARDED_MASKINGS.items():
+            torch.manual_seed(0)
+            sdp = ShardedSDPStrategy(
+                build_model(cfg),
+                masking,
+                family=family,
+                rank=rank,
+                world_size=dist.get_world_size(),
+                parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
+                device=CPU,
+                comm=CommCounter(),
+                bucket_cap_mb=1,
+                make_plain=lambda cfg=cfg: build_model(cfg),
+            )
+            optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
+            full = {k: v.detach().clone() for k, v in sdp.full_parameters().items()}
+            if rank == 0 and family in SHARDED_FAMILIES:
+                torch.save(full, f"{OUT}.{family}.{gran}.sharded.pt")
+            predicted = _predicted_sharded_bytes(sdp, shapes, 2)
+            out[family][gran] = {
+                "bytes": gathered([sdp.memory(optimizer), predicted]),
+                "replicated": sdp.describe()["replicated_params"],
+            }
     return out
 
 

@@ -49,19 +49,29 @@ def test_activation_checkpointing_changes_no_numbers(stacking, family):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("granularity", ["neuron", "block"])
 @pytest.mark.parametrize("family", ["llama", "swin"])
-def test_sdp_x_fsdp_matches_sdp_and_holds_c_over_f(harness_dir, sharded, family):
+def test_sdp_x_fsdp_matches_sdp(harness_dir, sharded, family, granularity):
     # 2 SDP workers x 2 FSDP shards against plain SDP with 2 workers, each fed its two ranks'
-    # batches: B-SDP forward at C = 0.5, 3 SGD steps.
-    reference = torch.load(harness_dir / f"stacking.json.{family}.sdp.pt", weights_only=True)
-    ours = torch.load(harness_dir / f"sharded.json.{family}.sharded.pt", weights_only=True)
+    # batches: forward masking at C = 0.5, 3 SGD steps.
+    reference = torch.load(harness_dir / f"stacking.json.{family}.{granularity}.sdp.pt", weights_only=True)
+    ours = torch.load(harness_dir / f"sharded.json.{family}.{granularity}.sharded.pt", weights_only=True)
     assert ours.keys() == reference.keys()
     scale = max(t.abs().max().item() for t in reference.values())
     assert max((ours[k] - reference[k]).abs().max().item() for k in ours) <= 1e-6 * scale
-    per_rank = sharded[family]["bytes"]  # each rank: its worker's blocks and the shared tensors / F
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("granularity", ["neuron", "block"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sdp_x_fsdp_holds_c_over_f(sharded, family, granularity):
+    res = sharded[family][granularity]
+    per_rank = res["bytes"]  # each rank: its worker's units and the shared tensors, / F where shardable
     assert len(per_rank) == 4
     for measured, predicted in per_rank:
         assert measured == predicted
+    # Neuron level: 1-D biases / BatchNorm weights of Swin and ResNet are replicated, LLaMA has none.
+    assert (res["replicated"] > 0) == (granularity == "neuron" and family != "llama")
 
 
 def test_activation_checkpointing_saves_activation_memory():
@@ -131,7 +141,6 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
         "parallelism.fsdp_degree=2",
         "parallelism.activation_checkpointing=full",
         "masking=forward",
-        "masking.granularity=block",
         "masking.coverage=0.5",
         "trainer.max_steps=3",
         "dataset.eval_batches=1",
@@ -141,17 +150,39 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary, _ = read_run(run_dir)
     assert summary["status"] == "completed" and summary["fsdp_degree"] == 2 and summary["sdp_workers"] == 2
-    # C = 0.5 of the blocks, then halved again by FSDP: well under half of the model's bytes.
+    # C = 0.5 of the neurons, then halved again by FSDP: well under half of the model's bytes.
     assert summary["memory"]["params_bytes"] < 4 * summary["n_params"] / 2
     assert summary["comm_bytes_per_step_by_kind"]["grad_reduce_scatter"] > 0
     load_model_pt(run_dir, TINY)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_neuron_sdp_x_fsdp_bf16_traces_and_halves_the_static_bytes(family):
+    # Under the estimator (fake process group, 4 ranks): each rank of 2 workers x F = 2 stores
+    # about half of what a plain SDP rank of 2 workers does. Swin's and ResNet's neuron biases
+    # and BatchNorm weights are replicated and stay fp32 next to FSDP's bf16 weights (autocast).
+    from conftest import TINY_MODELS
+
+    model, dataset = TINY_MODELS[family]
+    base = [f"model={model}", f"dataset={dataset}", "trainer.global_batch_size=8", "masking=forward"]
+    base += ["masking.coverage=0.5", "parallelism.mixed_precision=bf16"]
+    plain = estimate(estimator_config(base, world_size=2), world_size=2, rank=0)["memory"]
+    cfg = estimator_config([*base, "parallelism=fsdp", "parallelism.fsdp_degree=2"], world_size=4)
+    sharded = estimate(cfg, world_size=4, rank=0)
+    assert sharded["flops_per_step"] > 0
+    ratio = sharded["memory"]["params_bytes"] / plain["params_bytes"]
+    assert 0.45 <= ratio <= 0.6, ratio
+
+
 @pytest.mark.parametrize(
     "overrides,key,fragment",
     [
-        (["parallelism=fsdp", "masking=forward", "masking.coverage=0.5"], "parallelism", "block only"),
-        (["parallelism=fsdp", "masking=backward", "masking.coverage=0.5"], "parallelism", "block only"),
+        (["parallelism=fsdp", "masking=backward", "masking.coverage=0.5"], "parallelism", "needs masking=forward"),
+        (
+            ["parallelism=fsdp", "parallelism.fsdp_degree=2", "masking=forward", "masking.resample_every=5"],
+            "masking.resample_every",
+            "must be 0",
+        ),
         (
             ["parallelism=fsdp", "parallelism.fsdp_degree=3", "masking=forward", "masking.granularity=block"],
             "parallelism.fsdp_degree",

@@ -49,7 +49,6 @@ def validate_parallel(
     cfg: ParallelConfig,
     *,
     masking: str = "none",
-    granularity: str = "neuron",
     resample_every: int = 0,
     world_size: int = 1,
 ) -> None:
@@ -64,12 +63,12 @@ def validate_parallel(
     if cfg.fsdp_degree < 1:
         raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
     if cfg.name == "fsdp" and masking != "none":
-        if masking != "forward" or granularity != "block":
+        if masking != "forward":
             raise ConfigError(
                 "parallelism",
                 cfg.name,
-                f"with masking={masking} masking.granularity={granularity}: SDP x FSDP is built for "
-                "masking=forward masking.granularity=block only; allowed otherwise: parallelism=ddp",
+                f"with masking={masking}: SDP x FSDP needs masking=forward (backward masking trains views "
+                "into full weights on every rank, which FSDP's shards cannot host); allowed: parallelism=ddp",
             )
         if world_size % cfg.fsdp_degree:
             raise ConfigError(

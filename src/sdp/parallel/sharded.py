@@ -1,27 +1,44 @@
 """SDP x FSDP on a 2-D device mesh (`sdp` x `fsdp`): each SDP worker is a group of F ranks.
 
 World size = K x F. Rank k*F + f is shard f of worker k: the K workers hold
-subnetworks as in plain SDP, and the F ranks of a worker shard that
-subnetwork with FSDP2 (one FSDP unit per block, then the root), each on its
-own data. A gradient is first reduce-scattered (averaged) over the worker's F
-ranks by FSDP; then shard f of a unit is averaged over the ranks that hold
-shard f of it in the unit's holder workers, {h*F + f : h in holders}, and
-shard f of a shared parameter over {k*F + f : every k}. Each rank stores C/F
-of the model (plus the shared parameters / F).
+subnetworks as in plain SDP (forward masking, neuron or block units), and the
+F ranks of a worker shard that subnetwork with FSDP2 (one FSDP unit per
+block, then the root), each on its own data.
 
-Built for block-level forward masking: a held block has the same shapes on
-every holder, so FSDP's dim-0 shard f is the same positions on every holder
-and can be averaged positionally. Neuron-level masking keeps different units
-in the same positions on different workers and needs per-chunk sharding; it
-is refused before launch for now, as are backward masking and resampling.
+Where FSDP cuts a tensor decides who can average with whom. A gradient is
+first reduce-scattered (averaged) over the worker's F ranks by FSDP; then a
+unit's piece of shard f must be averaged with the *same* piece on the other
+holders. Holders keep a neuron chunk at different positions of their (smaller)
+tensors, so every tensor is sharded along a dimension SDP does not slice:
+
+- block units and shared tensors are whole, identical in shape on every
+  worker: FSDP's default dim-0 shards;
+- a tensor sliced along dim d > 0 (w2's columns, o_proj's heads): dim-0 shards,
+  each of which holds all of its rows' held columns;
+- a tensor sliced along dim 0 (w1's rows, q/k/v's heads): sharded along its
+  largest other dimension that F divides evenly (FSDP2 pads dim 0 only);
+- a 1-D sliced tensor (a bias or BatchNorm weight of held neurons), or one with
+  no such dimension: replicated on the worker's F ranks (FSDP ignores it).
+
+Then shard f of every piece sits at the same positions on every holder:
+it is averaged over {h*F + f : h in holders}, a shared tensor's shard over
+{k*F + f : every k}, and a replicated piece over all F ranks of its holders.
+Each rank stores C/F of the units (plus the replicated biases) and 1/F of the
+shared tensors.
+
+Backward masking keeps every full weight on every rank and trains views into
+them, which FSDP's sharded parameters cannot host; it is refused before
+launch, as is resampling under FSDP.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from sdp import dist as sdp_dist
 from sdp.metrics.memory import local
@@ -29,7 +46,30 @@ from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
 from sdp.subnet.apply import named_tensors
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
-from sdp.subnet.units import blocks
+from sdp.subnet.units import UnitSpec, blocks
+
+REPLICATED = None  # shard_dims value of a tensor kept whole on each rank of its worker
+
+
+def shard_dims(spec: UnitSpec, shapes: dict[str, torch.Size], fsdp_degree: int) -> dict[str, int | None]:
+    """For every neuron-sliced parameter: the dimension FSDP shards it along (REPLICATED: none).
+
+    A dimension SDP does not slice has the same size on every worker, so shard f
+    covers the same positions on every holder. Parameters not listed (shared
+    tensors, block units) take FSDP's default, dim 0.
+    """
+    out: dict[str, int | None] = {}
+    for group in spec.groups:
+        for s in group.slices:
+            if s.dim is None or s.is_buffer or s.name not in shapes:
+                continue
+            shape = shapes[s.name]
+            if s.dim != 0:
+                out[s.name] = 0
+                continue
+            even = [j for j in range(1, len(shape)) if shape[j] % fsdp_degree == 0]
+            out[s.name] = max(even, key=lambda j: (shape[j], -j)) if even else REPLICATED
+    return out
 
 
 class ShardedSDPStrategy(SDPStrategy):
@@ -40,42 +80,68 @@ class ShardedSDPStrategy(SDPStrategy):
         self.fsdp_degree, self.shard, self.family, self.parallel = f, rank % f, family, parallel
         self.fsdp_mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))["fsdp"]
         super().__init__(model, cfg, family=family, rank=rank, world_size=world_size // f, **kwargs)
+        # FSDP's policy casts the sharded weights to bf16; replicated ones (biases of held
+        # neurons) stay fp32 and would meet bf16 activations: autocast casts them.
+        if parallel.mixed_precision == "bf16" and self.replicated:
+            self.autocast_dtype = torch.bfloat16
 
     @property
     def worker(self) -> int:
         return self.rank // self.fsdp_degree
 
-    def _ranks(self, workers: tuple[int, ...], shard: int) -> tuple[int, ...]:
-        return tuple(w * self.fsdp_degree + shard for w in workers)
+    @cached_property
+    def shard_dims(self) -> dict[str, int | None]:
+        return shard_dims(self.spec, self.shapes, self.fsdp_degree)
+
+    @cached_property
+    def replicated(self) -> set[str]:
+        """Plain names of the parameters kept whole on each rank of a worker."""
+        return {n for n, d in self.shard_dims.items() if d is REPLICATED}
+
+    def _ranks(self, workers: tuple[int, ...], shard: int | None) -> tuple[int, ...]:
+        """The ranks of `workers` that hold shard `shard` (None: all their ranks)."""
+        shards = range(self.fsdp_degree) if shard is None else [shard]
+        return tuple(w * self.fsdp_degree + f for w in workers for f in shards)
 
     def _register_groups(self, holder_sets) -> None:
-        # Every rank takes part in creating every group, for every shard index.
-        self.groups.add([self._ranks(hs, f) for hs in holder_sets for f in range(self.fsdp_degree)])
+        # Every rank takes part in creating every group, for every shard index (and, when
+        # some tensors are replicated, for all ranks of the holder workers), in the same order.
+        holder_sets = list(holder_sets)
+        sets = [self._ranks(hs, f) for hs in holder_sets for f in range(self.fsdp_degree)]
+        if self.replicated:
+            sets += [self._ranks(hs, None) for hs in holder_sets]
+        self.groups.add(sets)
 
     def _finish_subnet(self) -> list[GradEntry]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        ignored = {p for p in self.model.parameters() if names[id(p)] in self.replicated}
+
+        def placement(p: nn.Parameter) -> Shard:
+            dim = self.shard_dims.get(names[id(p)])
+            return Shard(0 if dim is None else dim)
+
         mp = mixed_precision_policy(self.parallel)
+        common = dict(mesh=self.fsdp_mesh, mp_policy=mp, shard_placement_fn=placement, ignored_params=ignored)
         sharded = [
-            fully_shard(
-                block, mesh=self.fsdp_mesh, mp_policy=mp, reshard_after_forward=self.parallel.reshard_after_forward
-            )
+            fully_shard(block, reshard_after_forward=self.parallel.reshard_after_forward, **common)
             for _, block in blocks(self.model, family=self.family)
         ]
-        sharded.append(fully_shard(self.model, mesh=self.fsdp_mesh, mp_policy=mp))
+        sharded.append(fully_shard(self.model, **common))
         for module in sharded:
             all_gather, reduce_scatter = counting_collectives(self.comm)
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
-        # fully_shard made new (DTensor) parameters: point the trainables and the sync at them.
-        # Block units and shared tensors are whole tensors: a shard of one is the same positions
-        # on every holder (a sliced piece would not be, hence block granularity only).
-        if any(e.piece.dim is not None for e in self.subnet.grad_entries):
-            raise ValueError("SDP x FSDP needs whole-tensor units (masking.granularity=block, forward masking)")
+        # fully_shard made new (DTensor) parameters: point the trainables and the sync at
+        # them. A piece's dimension is never the sharded one, so its local coordinates
+        # hold on the shard; a replicated piece is averaged over all ranks of its holders.
         params = dict(self.model.named_parameters())
         self.subnet.trainable = list(self.model.parameters())
-        return [
-            GradEntry(self._ranks(e.holders, self.shard), e.kind, Piece(params[e.name], None), e.name)
-            for e in self.subnet.grad_entries
-        ]
+        entries = []
+        for e in self.subnet.grad_entries:
+            shard = None if e.name in self.replicated else self.shard
+            piece = Piece(params[e.name], e.piece.dim, e.piece.start, e.piece.length)
+            entries.append(GradEntry(self._ranks(e.holders, shard), e.kind, piece, e.name, e.full_dim, e.full_start))
+        return entries
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self.sync.global_norm(rank=self.rank)
@@ -94,4 +160,10 @@ class ShardedSDPStrategy(SDPStrategy):
         return [Transfer(t.source * self.fsdp_degree, t.numel, t.src, t.dst) for t in transfers]
 
     def describe(self) -> dict:
-        return {**super().describe(), "fsdp_degree": self.fsdp_degree, "sdp_workers": self.world_size}
+        replicated = sum(self.shapes[n].numel() for n in self.replicated)
+        return {
+            **super().describe(),
+            "fsdp_degree": self.fsdp_degree,
+            "sdp_workers": self.world_size,
+            "replicated_params": replicated,  # (full-model elements) kept whole on each rank of a worker
+        }
