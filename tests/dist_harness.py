@@ -85,6 +85,8 @@ def train(strategy, family: str, *, steps: int, optimizer=None, first: int = 0, 
         strategy.after_backward()
         optimizer.step()
         strategy.after_step()
+        if step + 1 < first + steps and strategy.resample(step + 1, optimizer):  # as the trainer does
+            strategy.model.train()
     return optimizer
 
 
@@ -176,6 +178,8 @@ SHARDED_FAMILIES = ("llama", "swin")
 SHARDED_MASKINGS = {
     "neuron": MaskingConfig(name="forward", granularity="neuron", coverage=0.5),
     "block": MaskingConfig(name="forward", granularity="block", coverage=0.5),
+    # A new mask after step 2: units, weights and optimizer state move between holders.
+    "neuron-resample": MaskingConfig(name="forward", granularity="neuron", coverage=0.5, resample_every=2),
 }
 # SGD with momentum: AdamW's normalisation would turn float rounding in near-zero gradients
 # (the two jobs sum in different orders) into visible parameter differences.

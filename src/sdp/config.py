@@ -134,7 +134,6 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
     validate_parallel(
         cfg.parallelism,
         masking=cfg.masking.name,
-        resample_every=cfg.masking.resample_every,
         world_size=world_size,
     )
     if cfg.masking.name != "none":

@@ -49,7 +49,6 @@ def validate_parallel(
     cfg: ParallelConfig,
     *,
     masking: str = "none",
-    resample_every: int = 0,
     world_size: int = 1,
 ) -> None:
     if cfg.name not in PARALLELISMS:
@@ -75,10 +74,6 @@ def validate_parallel(
                 "parallelism.fsdp_degree",
                 cfg.fsdp_degree,
                 f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
-            )
-        if resample_every:
-            raise ConfigError(
-                "masking.resample_every", resample_every, "resampling under SDP x FSDP is not built yet: must be 0"
             )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", cfg.backend, "allowed: auto, gloo, nccl")

@@ -26,24 +26,32 @@ it is averaged over {h*F + f : h in holders}, a shared tensor's shard over
 Each rank stores C/F of the units (plus the replicated biases) and 1/F of the
 shared tensors.
 
+Resampling works as under plain SDP, in worker coordinates: the worker's
+optimizer state is gathered from its shards (collective within the worker)
+before the holders exchange units, and the new subnetwork's state is cut, one
+parameter at a time, into the shards FSDP gives the new parameters.
+
 Backward masking keeps every full weight on every rank and trains views into
 them, which FSDP's sharded parameters cannot host; it is refused before
-launch, as is resampling under FSDP.
+launch.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from sdp import dist as sdp_dist
 from sdp.metrics.memory import local
+from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
 from sdp.subnet.apply import named_tensors
+from sdp.subnet.resample import HOST, place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
 from sdp.subnet.units import UnitSpec, blocks
@@ -120,6 +128,7 @@ class ShardedSDPStrategy(SDPStrategy):
             dim = self.shard_dims.get(names[id(p)])
             return Shard(0 if dim is None else dim)
 
+        self._unsharded = dict(self.model.named_parameters())  # the parameters grad_entries point at
         mp = mixed_precision_policy(self.parallel)
         common = dict(mesh=self.fsdp_mesh, mp_policy=mp, shard_placement_fn=placement, ignored_params=ignored)
         sharded = [
@@ -150,6 +159,40 @@ class ShardedSDPStrategy(SDPStrategy):
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))  # each rank scales its own shards
         return norm
+
+    def _optimizer_view(self, optimizer: torch.optim.Optimizer):
+        # The worker's optimizer state, unsharded (collective within the worker, the same order
+        # on its F ranks) onto the host, keyed by the parameters as they were before sharding.
+        state = {}
+        for name, p in self.model.named_parameters():
+            state[self._unsharded[name]] = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).to(HOST)
+                for k, v in optimizer.state.get(p, {}).items()
+            }
+        return SimpleNamespace(param_groups=[{"params": list(state)}], state=state)
+
+    def _set_state(self, optimizer: torch.optim.Optimizer, state: dict, scalars: dict) -> None:
+        # One parameter at a time: its worker-level state is cut from the gathered full state,
+        # then each rank keeps the shard FSDP gave it (the same placements as the parameter).
+        params = dict(self.model.named_parameters())
+        by_name: dict[str, list] = {}
+        for e in self.subnet.grad_entries:
+            by_name.setdefault(e.name, []).append(e)
+        placed = {}
+        for name, unsharded in self._unsharded.items():
+            p = params[name]
+            full = place_state(state, scalars, by_name[name], [unsharded])[unsharded]
+            placed[p] = {k: self._shard_like(p, v) for k, v in full.items()}
+        rebind(optimizer, self.subnet.trainable, placed)
+
+    @staticmethod
+    def _shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` (the whole worker-level tensor on every rank) sharded like parameter `p`; scalar
+        state (Adam's step) and replicated parameters' state are kept whole."""
+        if not isinstance(p, DTensor) or value.shape != p.shape:
+            return value
+        # src_data_rank=None: each rank cuts its own shard from its copy, no communication.
+        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         # Collective within the worker: its F ranks gather every shard in the same order.

@@ -13,7 +13,7 @@ over the last byte of traffic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -73,11 +73,16 @@ def gather_state(
     comm: CommCounter,
     bucket_cap_mb: int,
     device: torch.device,
+    worker: int | None = None,
+    rank_space: Callable[[list[Transfer]], list[Transfer]] | None = None,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Every trainable tensor's optimizer state in plain coordinates, on the host of every rank.
 
+    Chunk holders are workers: this rank is worker `worker` (default: `rank`), and
+    `rank_space` maps transfers from workers to the ranks that send (SDP x FSDP).
     Returns ({state key: {plain name: full tensor}}, scalar state). Collective.
     """
+    worker = rank if worker is None else worker
     if len(optimizer.param_groups) != 1:
         raise ValueError("mask resampling supports optimizers with one parameter group")
     keys, scalars = _state_keys(optimizer)
@@ -106,10 +111,12 @@ def gather_state(
                 dst = full[key][ch.tensor]
                 dst_piece = Piece(dst, None) if ch.dim is None else Piece(dst, ch.dim, start, n)
                 src = None
-                if rank == ch.source:
+                if worker == ch.source:
                     e = _covering(by_name[ch.tensor], ch, start, n)
                     src = _local_piece(e, optimizer.state[e.piece.tensor][key], ch, start, n)
                 transfers.append(Transfer(ch.source, numel, src, dst_piece))
+    if rank_space is not None:
+        transfers = rank_space(transfers)
     broadcast_from_holders(transfers, rank=rank, comm=comm, kind="resample", bucket_cap_mb=bucket_cap_mb, device=device)
     return full, scalars
 

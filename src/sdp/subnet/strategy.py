@@ -155,7 +155,7 @@ class SDPStrategy(Strategy):
         if not every or step % every:
             return False
         state, scalars = gather_state(
-            optimizer,
+            self._optimizer_view(optimizer),
             self.subnet.grad_entries,
             self.chunks,
             shapes=self.shapes,
@@ -163,15 +163,25 @@ class SDPStrategy(Strategy):
             comm=self.comm,
             bucket_cap_mb=self.bucket_cap_mb,
             device=self.device,
+            worker=self.worker,
+            rank_space=self._rank_space,
         )
         full = self._current_plain_model()
         self.epoch = step // every
         self.mask = mask_of(self.spec, self.cfg, world_size=self.world_size, epoch=self.epoch)
         self._install(full)
+        self._set_state(optimizer, state, scalars)
+        return True
+
+    def _optimizer_view(self, optimizer: torch.optim.Optimizer):
+        """The optimizer as `gather_state` reads it: state keyed by the tensors of subnet.grad_entries."""
+        return optimizer
+
+    def _set_state(self, optimizer: torch.optim.Optimizer, state: dict, scalars: dict) -> None:
+        """Point `optimizer` at the new subnetwork, with its state cut from the gathered full state."""
         rebind(
             optimizer, self.subnet.trainable, place_state(state, scalars, self.subnet.grad_entries, self.trainable())
         )
-        return True
 
     @torch.no_grad()
     def _current_plain_model(self) -> nn.Module:

@@ -165,7 +165,7 @@ def broadcast_from_holders(
     for src in sorted(by_source):
         for bucket in _buckets(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
             if rank == src:
-                flat = torch.cat([t.src.view().reshape(-1) for t in bucket]).to(dtype)
+                flat = torch.cat([t.src.view().reshape(-1) for t in bucket]).to(device=device, dtype=dtype)
                 if comm is not None:
                     comm.add(kind, flat.numel() * flat.element_size())
             else:
