@@ -54,8 +54,8 @@ STACKED = [
     for c in (0.25, 0.5)
     for bf16 in ([], [BF16])
 ]
-# SDP x FSDP: K SDP workers of F ranks each (K x F ranks, the same 8 x 1024 tokens per rank).
-SHARDED_DEGREES = (4,)
+# SDP x FSDP: K SDP workers of F ranks each (K x F ranks, the same 8 x 1024 tokens per rank):
+# F = 4 with and without bf16 at C = 0.25 and 0.5, and F = 8 for the most stacked setting.
 SHARDED = [
     (
         f"{g[0].upper()}-SDP forward x FSDP(F={f}) + AC{' + bf16' if bf16 else ''}",
@@ -64,9 +64,7 @@ SHARDED = [
         [f"masking.granularity={g}", AC, *bf16],
     )
     for g in ("neuron", "block")
-    for f in SHARDED_DEGREES
-    for c in (0.25, 0.5)
-    for bf16 in ([], [BF16])
+    for f, c, bf16 in [(4, c, bf16) for c in (0.25, 0.5) for bf16 in ([], [BF16])] + [(8, 0.25, [BF16])]
 ]
 STACKED_MODELS = ("llama_500m", "llama_1b")
 
