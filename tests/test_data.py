@@ -516,3 +516,18 @@ def test_idx_magic_is_checked(tmp_path):
     assert read_idx(path, magic=LABELS_MAGIC).tolist() == [1, 2, 3]
     with pytest.raises(ValueError, match="magic"):
         read_idx(path, magic=IMAGES_MAGIC)
+
+
+def test_a_resumed_parquet_stream_continues_where_the_first_left_off(parquet_dir, tokenizer_file, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+    cfg = stream_cfg(parquet_dir, tokenizer_file)
+    first = build(cfg, rank=1, world_size=2)
+    reference = [next(first.train) for _ in range(10)]
+    first.train.close()
+    resumed = build_data(cfg, rank=1, world_size=2, batch_size=4, eval_batch_size=3, seed=0, start_batch=4).train
+    for want in reference[4:]:
+        got = next(resumed)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    resumed.close()

@@ -5,6 +5,7 @@ compose config -> validate (before any process group) -> build -> train -> close
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist
+from sdp.checkpoint import Checkpoint, check_resume, load_checkpoint, save_checkpoint, truncate_metrics
 from sdp.config import RunConfig, load_config
 from sdp.data import build_data, prepare_data
 from sdp.errors import ConfigError
@@ -46,10 +48,53 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     return candidate
 
 
-def check_run_dir(cfg: RunConfig) -> None:
-    """Refuse to write into a finished or running run: nothing written so far is lost."""
-    if cfg.run_dir and (Path(cfg.run_dir) / "metrics.jsonl").exists():
-        raise ConfigError("run_dir", cfg.run_dir, "already holds a run (metrics.jsonl); choose a new run_dir")
+# Settings that do not change what a run computes: a resume may change them.
+RESUME_MAY_CHANGE = (
+    "logger",
+    "trainer.progress",
+    "trainer.stop_at_step",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+)
+
+
+def resume_config(raw: DictConfig) -> dict:
+    """The resolved config as a resume compares it with the checkpoint's."""
+    config = OmegaConf.to_container(raw, resolve=True)
+    for dotted in RESUME_MAY_CHANGE:
+        *path, last = dotted.split(".")
+        node = config
+        for key in path:
+            node = node.get(key, {})
+        node.pop(last, None)
+    return config
+
+
+def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Checkpoint | None:
+    """Before any process group: the checkpoint to resume from when run_dir holds one (and the
+    config matches), None for a new run; a completed run, or one that cannot be resumed, is
+    refused with one error and nothing written so far is touched."""
+    if not cfg.run_dir:
+        return None
+    return check_resume(Path(cfg.run_dir), resume_config(raw), world_size=world_size)
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (a scheduler's preemption notice; torchrun passes SIGTERM on to its
+    workers) ask the run to checkpoint and stop after the current step."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.flag = device, False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def __call__(self) -> bool:
+        """Whether any rank was signalled (collective: every rank agrees)."""
+        t = torch.tensor([float(self.flag)], device=self.device)
+        return dist.all_reduce_(t, op="max").item() > 0
 
 
 def build_strategy(
@@ -59,11 +104,13 @@ def build_strategy(
     device: torch.device,
     comm: CommCounter,
     build: Callable[[Any], torch.nn.Module] = build_model,
+    mask_epoch: int = 0,
 ) -> Strategy:
     """The full model, initialised alike on every rank, under DDP, FSDP or SDP, with activation
     checkpointing and mixed precision applied from outside it.
 
-    `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors).
+    `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors);
+    `mask_epoch` is the SDP mask epoch to start in (a resumed run's).
     """
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     par = cfg.parallelism
@@ -91,6 +138,7 @@ def build_strategy(
         bucket_cap_mb=par.bucket_cap_mb,
         make_plain=make_plain,
         prepare=checkpointing,
+        epoch=mask_epoch,
     )
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
@@ -98,9 +146,10 @@ def build_strategy(
     return SDPStrategy(build(cfg.model), cfg.masking, autocast_dtype=autocast, **common)
 
 
-def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int):
+def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int, start_batch: int = 0):
     """Training batches for BatchNorm recalibration of an assembled model, from a stream of
-    their own (another seed), so the training data order is not disturbed; None when unused."""
+    their own (another seed), so the training data order is not disturbed; None when unused.
+    `start_batch`: batches earlier evaluations of a resumed run took from it."""
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in strategy.model.modules())
     if cfg.masking.name != "forward" or cfg.masking.bn_recalibration_batches == 0 or not has_bn:
         return None
@@ -111,13 +160,18 @@ def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World,
         batch_size=batch_size,
         eval_batch_size=batch_size,
         seed=cfg.seed + 1,
+        start_batch=start_batch,
     )
     return data.train
 
 
-def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
-    """Train one configured run on this rank; rank 0 writes the run dir."""
+def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint | None = None) -> dict:
+    """Train one configured run on this rank, from the start or from `resume`; rank 0 writes the run dir."""
     device = dist.select_device(cfg.trainer.device, world)
+    start_step = resume.step if resume else 0
+    every = cfg.masking.resample_every
+    # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
+    mask_epoch = start_step // every if every else 0
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend)
     logger = None
@@ -140,12 +194,15 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
         if world.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+            if resume:  # records of steps after the checkpoint are written again
+                truncate_metrics(run_dir, start_step)
         logger = RunLogger(
             cfg.logger,
             run_dir=run_dir,
             run_name=run_name(cfg),
             active=world.is_main,
             config=OmegaConf.to_container(raw, resolve=True),
+            resume_id=resume.meta.get("wandb_id") if resume else None,
         )
         if world.is_main:
             prepare_data(cfg.dataset)
@@ -159,15 +216,42 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
             batch_size=micro,
             eval_batch_size=cfg.trainer.eval_batch_size or micro,
             seed=cfg.seed,
+            start_batch=start_step * cfg.trainer.grad_accum_steps,
         )
         comm = CommCounter()
-        strategy = build_strategy(cfg, world=world, device=device, comm=comm)
+        strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
         summary["n_params"] = strategy.full_params
         summary.update(strategy.describe())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
+        measured = None
+        if resume:
+            measured = load_checkpoint(
+                resume, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
+            )
+            dist.print0(world, f"resumed from {resume.path} (step {start_step})")
         summary["throughput_unit"] = "tokens/s" if data.kind == "text" else "samples/s"
-        calibration = calibration_stream(cfg, strategy, world=world, batch_size=micro)
+        evals_done = start_step // cfg.trainer.eval_every if cfg.trainer.eval_every else 0
+        calibration = calibration_stream(
+            cfg, strategy, world=world, batch_size=micro, start_batch=evals_done * cfg.masking.bn_recalibration_batches
+        )
+        config = resume_config(raw)
+
+        def checkpoint(step: int, measured_so_far: dict) -> None:
+            save_checkpoint(
+                run_dir,
+                step=step,
+                strategy=strategy,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                world=world,
+                device=device,
+                config=config,
+                keep=cfg.trainer.keep_checkpoints,
+                measured=measured_so_far,
+                extra_meta={"wandb_id": logger.wandb_id},
+            )
+
         dist.print0(
             world,
             f"run dir: {run_dir}  ({cfg.model.name}: {summary['n_params'] / 1e6:.2f}M params, "
@@ -189,9 +273,13 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World) -> dict:
                 calibration_batches=cfg.masking.bn_recalibration_batches,
                 model_path=run_dir / "model.pt",
                 precision=cfg.parallelism.mixed_precision,
+                start_step=start_step,
+                measured=measured,
+                checkpoint=checkpoint,
+                stop_requested=StopSignals(device),
             )
         )
-        summary["status"] = "completed"
+        summary["status"] = "stopped" if summary["stopped_at"] else "completed"
         return summary
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
@@ -211,11 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.world_from_env()
     try:
         raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
-        check_run_dir(cfg)
+        resume = check_run_dir(cfg, raw, world_size=world.world_size)
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
         return 2
-    summary = run(raw, cfg, world)
+    summary = run(raw, cfg, world, resume=resume)
     if world.is_main:
         print_result(summary)
     return 0
@@ -229,8 +317,9 @@ def print_result(summary: dict) -> None:
     speed = summary["tokens_or_samples_per_s"]
     speed = "" if speed is None else f"{speed:.1f} {summary['throughput_unit']}, "
     peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**20:.1f} MiB/rank"
+    verb = "stopped" if summary.get("stopped_at") else "done"
     print(
-        f"done: {summary['steps']} steps, {quality}, {speed}"
+        f"{verb}: {summary['steps']} steps, {quality}, {speed}"
         f"params+grads+optim {static_mib:.1f} MiB/rank{peak}, "
         f"comm {summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step -> {summary['run_dir']}",
         flush=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,12 @@ class TrainerConfig:
     # step before it); both are left out of the timings; 0: none. Step 3 is steady
     # state: the optimizer state exists (step 1) and DDP has re-bucketed (step 2).
     profile_step: int = 3
+    # Resumable runs: a checkpoint every N steps in RUN_DIR/checkpoints (0: none), keeping
+    # the newest `keep_checkpoints`; the same command with the same run_dir resumes.
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 1
+    # End this launch after this step, with a checkpoint, as a preemption would (0: never).
+    stop_at_step: int = 0
 
 
 def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
@@ -49,6 +55,11 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
     for key in ("max_steps", "global_batch_size", "grad_accum_steps", "log_every"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 1")
+    for key in ("checkpoint_every", "stop_at_step"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError("trainer.keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     if cfg.profile_step < 0:
         raise ConfigError("trainer.profile_step", cfg.profile_step, "must be >= 0 (0: no memory/FLOP probe)")
     if cfg.eval_every < 0:
@@ -236,7 +247,11 @@ def measure_peak(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step)
 
 
 def profile_steps(cfg: TrainerConfig) -> tuple[int, int]:
-    """(the step whose FLOPs are counted, the step whose live peak is measured); 0: none."""
+    """(the step whose FLOPs are counted, the step whose live peak is measured); 0: none.
+
+    Absolute step numbers: a resumed run profiles the same steps as an uninterrupted one
+    (the FLOP counter changes the kernels' rounding) and keeps the measurements that
+    the launch before it made."""
     if not cfg.profile_step:
         return 0, 0
     peak_step = min(cfg.profile_step, cfg.max_steps)
@@ -260,11 +275,19 @@ def train(
     calibration_batches: int = 0,
     model_path: Path | None = None,
     precision: str = "fp32",
+    start_step: int = 0,
+    measured: dict | None = None,
+    checkpoint: Callable[[int, dict], None] | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> dict:
-    """Run `cfg.max_steps` optimizer steps; returns the loop's part of `summary.json`.
+    """Run optimizer steps start_step + 1 ... cfg.max_steps; returns the loop's part of `summary.json`.
 
     `units_per_sample` is tokens per sequence for LMs and 1 for images, so the
-    throughput reads as tokens/s or samples/s.
+    throughput reads as tokens/s or samples/s. `checkpoint(step, measured)` (collective)
+    saves a resumable state, with this rank's measurements so far, every
+    cfg.checkpoint_every steps and before an early stop: at cfg.stop_at_step, or when
+    `stop_requested()` (collective, every rank agrees) says so. `measured` is what the
+    launch before a resume had measured on this rank.
     """
     micro = micro_batch_size(cfg, world_size=world.world_size)
     units_per_step = cfg.global_batch_size * units_per_sample
@@ -279,8 +302,11 @@ def train(
     strategy.model.train()
     timer = PhaseTimer(device)
     train_time, timed_steps, window_loss, window_steps = 0.0, 0, torch.zeros((), device=device), 0
-    memory, measure_memory, last, peak, flops = {}, True, {}, None, None
+    measured = measured or {}
+    memory, measure_memory, last = measured.get("memory", {}), True, {}
+    peak, flops = measured.get("peak"), measured.get("flops")
     flop_step, peak_step = profile_steps(cfg)
+    stopped_at = None
     evals: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -288,7 +314,8 @@ def train(
     def run_step() -> torch.Tensor:
         return train_step(strategy, optimizer, data.train, cfg=cfg, micro=micro, device=device, timer=timer)
 
-    for step in range(1, cfg.max_steps + 1):
+    bar.update(start_step)
+    for step in range(start_step + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
         profiling = step in (flop_step, peak_step)
         saved = dict(timer.totals)
@@ -317,8 +344,11 @@ def train(
             memory = _elementwise_max(memory, strategy.memory(optimizer))
         measure_memory = resampled  # a new subnetwork: measure it after its first step
         bar.update(1)
+        stopping = step < cfg.max_steps and (
+            step == cfg.stop_at_step or (stop_requested is not None and stop_requested())
+        )
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        if step % cfg.log_every == 0 or step == cfg.max_steps or stopping:
             mean_loss = dist.all_reduce_(window_loss.clone()).item() / (window_steps * world.world_size)
             last = {"step": step, "train_loss": mean_loss, "lr": lr}
             if timed_steps:
@@ -342,6 +372,14 @@ def train(
             logger.log({"step": step, **evals})
             if world.is_main:
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+        periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
+        if checkpoint is not None and (periodic or stopping):
+            checkpoint(step, {"memory": memory, "peak": peak, "flops": flops})
+        if stopping:
+            stopped_at = step
+            if world.is_main:
+                bar.write(f"stopped after step {step}; the same command resumes from its checkpoint")
+            break
     bar.close()
     step_time = train_time / timed_steps if timed_steps else None
     phases = {k: v / timed_steps for k, v in timer.totals.items()} if timed_steps else {}
@@ -357,7 +395,9 @@ def train(
     per_step = comm.per_step()
     comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
     out = {
-        "steps": cfg.max_steps,
+        "steps": stopped_at or cfg.max_steps,
+        "stopped_at": stopped_at,
+        "resumed_from": start_step or None,
         "train_loss": last["train_loss"],
         **evals,
         # Per rank: this rank's share of the global batch over its step time.

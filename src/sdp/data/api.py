@@ -45,11 +45,26 @@ def prepare_data(cfg: DataConfig) -> None:
 
 
 def build_data(
-    cfg: DataConfig, *, rank: int, world_size: int, batch_size: int, eval_batch_size: int, seed: int
+    cfg: DataConfig,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    eval_batch_size: int,
+    seed: int,
+    start_batch: int = 0,
 ) -> DataBundle:
-    """This rank's infinite train batches and finite eval passes; `batch_size` is per rank."""
+    """This rank's infinite train batches and finite eval passes; `batch_size` is per rank.
+
+    The train stream starts after its first `start_batch` batches, exactly where a run
+    that consumed them left off (a resumed run)."""
     place = Placement(
-        rank=rank, world_size=world_size, batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        eval_batch_size=eval_batch_size,
+        seed=seed,
+        start_batch=start_batch,
     )
     return _spec(cfg).build(cfg, place)
 

@@ -78,6 +78,7 @@ class Placement(NamedTuple):
     batch_size: int
     eval_batch_size: int
     seed: int
+    start_batch: int = 0  # train batches this rank's stream already yielded (a resumed run's)
 
 
 class DatasetSpec(NamedTuple):

@@ -120,7 +120,16 @@ def _train_batches(
         chunks = _token_chunks(_texts(mine, cfg.text_column), tok, limit=limit)
         return packed_batches(chunks, seq_len=cfg.seq_len, batch_size=place.batch_size)
 
-    return repeat_epochs(epoch_pass)
+    # A streamed dataset cannot seek: a resumed run reads past the batches it already trained on.
+    return _after(repeat_epochs(epoch_pass), place.start_batch)
+
+
+def _after(batches: Iterator[dict], count: int) -> Iterator[dict]:
+    """The batches after the first `count` (a generator: closing it closes `batches`)."""
+    try:
+        yield from itertools.islice(batches, count, None)
+    finally:
+        batches.close()
 
 
 def _validate_path(cfg: DataConfig, *, offline: bool) -> None:

@@ -48,9 +48,9 @@ def augment_generator(*, aug_seed: int, epoch: int, key: int) -> torch.Generator
     return torch.Generator().manual_seed(augment_seed(aug_seed=aug_seed, epoch=epoch, key=key))
 
 
-def repeat_epochs(make_epoch: Callable[[int], Iterable[dict]]) -> Iterator[dict]:
-    """Chain epoch 0, 1, 2, ... forever; fail instead of spinning on an empty epoch."""
-    for epoch in itertools.count():
+def repeat_epochs(make_epoch: Callable[[int], Iterable[dict]], *, start_epoch: int = 0) -> Iterator[dict]:
+    """Chain epoch start_epoch, start_epoch + 1, ... forever; fail instead of spinning on an empty epoch."""
+    for epoch in itertools.count(start_epoch):
         empty = True
         for batch in make_epoch(epoch):
             empty = False
@@ -91,12 +91,28 @@ def train_stream(cfg: DataConfig, dataset: EpochDataset, *, place: Placement, co
         generator=torch.Generator().manual_seed(place.seed + place.rank),
     )
 
+    # A resumed run starts inside an epoch: that epoch's first `skip` batches are left out by
+    # index (nothing is loaded for them); the order and augmentation draws are the same.
+    per_epoch = len(sampler) // place.batch_size
+    start_epoch, skip = divmod(place.start_batch, per_epoch)
+
     def epoch_pass(epoch: int) -> Iterable[dict]:
         sampler.set_epoch(epoch)
         dataset.set_epoch(epoch)
+        if epoch == start_epoch and skip:
+            rest = list(sampler)[skip * place.batch_size :]
+            return DataLoader(
+                dataset,
+                batch_size=place.batch_size,
+                sampler=rest,
+                drop_last=True,
+                num_workers=cfg.num_workers,
+                collate_fn=collate_fn,
+                generator=torch.Generator().manual_seed(place.seed + place.rank + epoch),
+            )
         return loader
 
-    return repeat_epochs(epoch_pass)
+    return repeat_epochs(epoch_pass, start_epoch=start_epoch)
 
 
 def eval_shard(num_items: int, *, rank: int, world_size: int, limit: int = 0) -> Sequence[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +47,21 @@ class RunLogger:
     reported once and never stops training.
     """
 
-    def __init__(self, cfg: LoggerConfig, *, run_dir: Path, run_name: str, config: dict, active: bool):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        *,
+        run_dir: Path,
+        run_name: str,
+        config: dict,
+        active: bool,
+        resume_id: str | None = None,
+    ):
+        """`resume_id`: the W&B run id of the run this launch resumes (it continues that W&B run)."""
         self.active = active
         self.run_dir = run_dir
         self._wandb_run = None
+        self.wandb_id = resume_id
         if not active:
             return
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -60,7 +72,10 @@ class RunLogger:
         try:
             import wandb
 
+            self.wandb_id = self.wandb_id or secrets.token_hex(4)  # kept in checkpoints: a resume continues it
             self._wandb_run = wandb.init(
+                id=self.wandb_id,
+                resume="allow",
                 project=cfg.project,
                 entity=cfg.entity,
                 group=cfg.group,

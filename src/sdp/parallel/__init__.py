@@ -93,6 +93,8 @@ class Strategy:
     """What the training loop needs from a data-parallel scheme."""
 
     model: nn.Module  # run forward/backward on this
+    # Every rank holds the same model and optimizer state (DDP): a checkpoint needs one copy.
+    replicated_state: bool = False
     # Autocast dtype of the forward (bf16 mixed precision without FSDP); None: fp32.
     autocast_dtype: torch.dtype | None = None
 
@@ -161,6 +163,8 @@ def _counting_allreduce_hook(counter, bucket):
 
 class DDPStrategy(Strategy):
     """torch DistributedDataParallel over all ranks: every rank holds and trains everything."""
+
+    replicated_state = True
 
     def __init__(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter):
         self.autocast_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else None

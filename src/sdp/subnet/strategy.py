@@ -84,17 +84,21 @@ class SDPStrategy(Strategy):
         make_plain: Callable[[], nn.Module],
         prepare: Callable[[nn.Module], object] | None = None,
         autocast_dtype: torch.dtype | None = None,
+        epoch: int = 0,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
         `make_plain` builds a full plain model on `device`, which assembly overwrites;
-        `prepare` is applied to every subnetwork this rank trains (activation checkpointing)."""
+        `prepare` is applied to every subnetwork this rank trains (activation checkpointing);
+        `epoch` is the mask epoch to start in (a resumed run's)."""
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain, self.prepare = bucket_cap_mb, make_plain, prepare
         self.autocast_dtype = autocast_dtype
         self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
-        self.epoch = 0
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
-        self.stats = mask_stats(self.mask, [g.unit_numel(self.shapes) for g in self.spec.groups])
+        self.stats = mask_stats(self.mask, [g.unit_numel(self.shapes) for g in self.spec.groups])  # epoch 0's
+        self.epoch = epoch
+        if epoch:
+            self.mask = mask_of(self.spec, cfg, world_size=world_size, epoch=epoch)
         self.full_params = sum(s.numel() for s in self.shapes.values())
         self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
         self.plain_names = list(self.shapes)

@@ -1,0 +1,146 @@
+"""Checkpoint and resume: a stopped-and-resumed run equals an uninterrupted one, bit for bit."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from conftest import launch, read_run
+
+from sdp.checkpoint import check_resume, complete_checkpoints, first_difference, truncate_metrics
+from sdp.data import build_data
+from sdp.errors import ConfigError
+
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
+COMMON = ["logger=none", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0", "dataset.eval_batches=1"]
+VARIANTS = {
+    "ddp": [],
+    # A new mask after steps 2 and 4: the resumed launch must rebuild mask epoch 1's subnetwork.
+    "sdp-forward-resampled": ["masking=forward", "masking.coverage=0.5", "masking.resample_every=2"],
+}
+TIMINGS = ("tokens_or_samples_per_s", "step_time_s")
+
+
+def _trajectory(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stop_and_resume_equals_one_run(tmp_path, variant):
+    overrides = [*TINY, *COMMON, *VARIANTS[variant]]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    runs = [
+        [*overrides, f"run_dir={straight}"],
+        [*overrides, f"run_dir={resumed}", "trainer.stop_at_step=3"],  # ends after step 3, as a preemption would
+        [*overrides, f"run_dir={resumed}"],  # the same command again: resumes from step 3
+    ]
+    for argv in runs:
+        proc = launch(argv, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(d / "model.pt", weights_only=True) for d in (straight, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    (sa, ra), (sb, rb) = read_run(straight), read_run(resumed)
+    assert _trajectory(ra) == _trajectory(rb)  # every logged loss, the evaluation too
+    assert sb["status"] == "completed" and sb["resumed_from"] == 3 and sa["resumed_from"] is None
+    # The resumed launch kept the first launch's memory and FLOP measurements (steps 2 and 3).
+    assert sb["memory"] == sa["memory"] and sb["flops_per_step_per_rank"] == sa["flops_per_step_per_rank"]
+    assert [c.step for c in complete_checkpoints(resumed)] == [3]
+
+
+def _fake_checkpoint(run_dir, *, step: int, config: dict, world_size: int = 2, complete: bool = True):
+    d = run_dir / "checkpoints" / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "config": config}))
+
+
+def test_resume_checks_name_what_is_wrong(tmp_path):
+    config = {"trainer": {"max_steps": 6, "lr": 1e-3}, "model": {"name": "llama_tiny"}}
+    assert check_resume(tmp_path, config, world_size=2) is None  # nothing there: a new run
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="without a complete checkpoint"):
+        check_resume(tmp_path, config, world_size=2)
+    _fake_checkpoint(tmp_path, step=4, config=config)
+    _fake_checkpoint(tmp_path, step=6, config=config, complete=False)  # a launch died while writing it
+    assert check_resume(tmp_path, config, world_size=2).step == 4
+    changed = {**config, "trainer": {"max_steps": 6, "lr": 2e-3}}
+    with pytest.raises(ConfigError) as info:
+        check_resume(tmp_path, changed, world_size=2)
+    assert str(info.value).startswith("run_dir") and "trainer.lr: 0.001 -> 0.002" in str(info.value)
+    with pytest.raises(ConfigError, match="checkpointed with 2 processes, this launch has 4"):
+        check_resume(tmp_path, config, world_size=4)
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
+    with pytest.raises(ConfigError, match="completed run"):
+        check_resume(tmp_path, config, world_size=2)
+
+
+def test_first_difference_and_metrics_truncation(tmp_path):
+    assert first_difference({"a": {"b": 1}}, {"a": {"b": 1}}) is None
+    assert first_difference({"a": {"b": 1}}, {"a": {"c": 1}}) == "a.b: 1 -> '<absent>'"
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train_loss": s}) + "\n" for s in range(1, 7)))
+    truncate_metrics(tmp_path, 4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_may_change_logging_but_not_training(tmp_path):
+    from sdp.config import load_config
+    from sdp.train import resume_config
+
+    raw, _ = load_config([*TINY, "logger=none"], world_size=2, offline=True, check_data=False)
+    other, _ = load_config(
+        [*TINY, "logger=wandb", "trainer.progress=false", "trainer.stop_at_step=2"],
+        world_size=2,
+        offline=True,
+        check_data=False,
+    )
+    assert resume_config(raw) == resume_config(other)
+    longer, _ = load_config([*TINY, "trainer.max_steps=7"], world_size=2, offline=True, check_data=False)
+    assert first_difference(resume_config(raw), resume_config(longer)) == "trainer.max_steps: 1000 -> 7"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=resnet_tiny", "dataset=synthetic_image", "dataset.augment=true"],
+        ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=16"],
+    ],
+)
+def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
+    # Start positions inside the first epoch and past its end (the epoch wraps).
+    from sdp.config import typed_config
+
+    cfg = typed_config(overrides)[1].dataset
+
+    def stream(start: int):
+        return build_data(cfg, rank=1, world_size=2, batch_size=8, eval_batch_size=8, seed=3, start_batch=start).train
+
+    full = stream(0)
+    reference = [next(full) for _ in range(40)]
+    for start in (5, 33):
+        resumed = stream(start)
+        for want in reference[start:]:
+            got = next(resumed)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_signal_asks_every_rank_to_stop(tmp_path):
+    import torch.distributed as tdist
+
+    from sdp.train import StopSignals
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        stop = StopSignals(torch.device("cpu"))
+        assert not stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop()
+    finally:
+        tdist.destroy_process_group()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
