@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import open_dict, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sdp.data import DataConfig, data_vocab_size, validate_data
@@ -27,7 +27,7 @@ from sdp.subnet import MaskingConfig, validate_masking
 from sdp.trainer import TrainerConfig, validate_trainer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "debug")
+GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
 
 
 @dataclass
@@ -174,7 +174,23 @@ def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
         raise ConfigError(
             str(getattr(err, "full_key", "?")), None, f"cannot be resolved: {str(err).splitlines()[0]}"
         ) from None
-    return raw, to_typed(raw)
+    typed = to_typed(raw)
+    apply_protocol(raw, typed)
+    return raw, typed
+
+
+def apply_protocol(raw: DictConfig, cfg: RunConfig) -> None:
+    """trainer.protocol=flop_matched: an SDP run takes 1/C times the optimizer steps (and lr
+    warmup) of the DDP budget in trainer.max_steps, so its total compute matches DDP's, as in
+    the paper; written into both configs, so config.yaml holds the steps the run takes."""
+    coverage = cfg.masking.coverage
+    if cfg.trainer.protocol != "flop_matched" or cfg.masking.name == "none" or not 0 < coverage <= 1:
+        return
+    cfg.trainer.max_steps = round(cfg.trainer.max_steps / coverage)
+    cfg.optim.warmup_steps = round(cfg.optim.warmup_steps / coverage)
+    with open_dict(raw):
+        raw.trainer.max_steps = cfg.trainer.max_steps
+        raw.optim.warmup_steps = cfg.optim.warmup_steps
 
 
 def load_config(

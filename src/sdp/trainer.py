@@ -24,6 +24,9 @@ from sdp.metrics.memory import LivePeak, cuda_peaks
 from sdp.parallel import Strategy
 
 
+PROTOCOLS = ("same_iteration", "flop_matched")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
@@ -48,6 +51,9 @@ class TrainerConfig:
     keep_checkpoints: int = 1
     # End this launch after this step, with a checkpoint, as a preemption would (0: never).
     stop_at_step: int = 0
+    # same_iteration: every variant takes max_steps steps. flop_matched (the paper's): an SDP
+    # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
+    protocol: str = "same_iteration"
 
 
 def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
@@ -58,6 +64,8 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
     for key in ("checkpoint_every", "stop_at_step"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
+    if cfg.protocol not in PROTOCOLS:
+        raise ConfigError("trainer.protocol", cfg.protocol, f"allowed: {', '.join(PROTOCOLS)}")
     if cfg.keep_checkpoints < 1:
         raise ConfigError("trainer.keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     if cfg.profile_step < 0:
