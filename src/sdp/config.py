@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import open_dict, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from sdp.data import DataConfig, data_vocab_size, validate_data

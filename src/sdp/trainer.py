@@ -23,7 +23,6 @@ from sdp.metrics.logger import RunLogger
 from sdp.metrics.memory import LivePeak, cuda_peaks
 from sdp.parallel import Strategy
 
-
 PROTOCOLS = ("same_iteration", "flop_matched")
 
 
