@@ -7,7 +7,8 @@ from sdp.config import group_options, load_config
 from sdp.errors import ConfigError
 
 PAPER = [e for e in group_options("experiment") if not e.startswith("demo_")]
-SDP_VARIANTS = [v for v in group_options("variant") if v != "ddp"]
+SDP_VARIANTS = [v for v in group_options("variant") if "_sdp_" in v]
+BASELINES = ["dropout", "stochastic_depth"]
 # The tiny stand-in of each family, on synthetic data of its kind, for the launch test.
 TINY = {
     "llama": ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32"],
@@ -23,7 +24,7 @@ def test_the_paper_tables_have_their_experiments():
         + ["resnet18_imagenet"]
     )
     assert sorted(group_options("variant")) == sorted(
-        ["ddp", "n_sdp_backward", "n_sdp_forward", "b_sdp_backward", "b_sdp_forward"]
+        ["ddp", "n_sdp_backward", "n_sdp_forward", "b_sdp_backward", "b_sdp_forward", *BASELINES]
     )
 
 
@@ -43,6 +44,13 @@ def test_every_experiment_composes_with_every_variant_on_8_workers(experiment):
         )
         assert matched.trainer.max_steps == 2 * ddp.trainer.max_steps
         assert matched.optim.warmup_steps == 2 * ddp.optim.warmup_steps
+    for baseline in BASELINES:  # DDP with SDP's units dropped at keep rate C: DDP's steps
+        overrides = [f"experiment={experiment}", f"variant={baseline}", "masking.coverage=0.5"]
+        _, cfg = load_config(
+            [*overrides, "trainer.protocol=flop_matched"], world_size=8, offline=True, check_data=False
+        )
+        assert cfg.masking.name == baseline and cfg.trainer.max_steps == ddp.trainer.max_steps
+        assert cfg.optim == ddp.optim
 
 
 def test_flop_matching_leaves_ddp_alone_and_bad_protocols_are_named():

@@ -23,7 +23,7 @@ from sdp.metrics.logger import LoggerConfig, validate_logger
 from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, validate_model
 from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
-from sdp.subnet import MaskingConfig, validate_masking
+from sdp.subnet import MaskingConfig, is_sdp, validate_masking
 from sdp.trainer import TrainerConfig, validate_trainer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -136,7 +136,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         masking=cfg.masking.name,
         world_size=world_size,
     )
-    if cfg.masking.name != "none":
+    if is_sdp(cfg.masking.name):
         from sdp.subnet.strategy import validate_plan
 
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
@@ -184,7 +184,7 @@ def apply_protocol(raw: DictConfig, cfg: RunConfig) -> None:
     warmup) of the DDP budget in trainer.max_steps, so its total compute matches DDP's, as in
     the paper; written into both configs, so config.yaml holds the steps the run takes."""
     coverage = cfg.masking.coverage
-    if cfg.trainer.protocol != "flop_matched" or cfg.masking.name == "none" or not 0 < coverage <= 1:
+    if cfg.trainer.protocol != "flop_matched" or not is_sdp(cfg.masking.name) or not 0 < coverage <= 1:
         return
     cfg.trainer.max_steps = round(cfg.trainer.max_steps / coverage)
     cfg.optim.warmup_steps = round(cfg.optim.warmup_steps / coverage)

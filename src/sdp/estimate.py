@@ -40,6 +40,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
+from sdp.subnet import is_sdp
 from sdp.trainer import PhaseTimer, count_flops, measure_peak, micro_batch_size, train_step
 
 GIB = 2**30
@@ -82,7 +83,7 @@ def parse_args(argv: list[str]) -> EstimateArgs:
 def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
     """The rank holding the most unit parameters under the run's mask (0 under DDP); under
     SDP x FSDP, shard 0 of the busiest worker."""
-    if cfg.masking.name == "none":
+    if not is_sdp(cfg.masking.name):
         return 0
     from sdp.parallel import sdp_workers
     from sdp.subnet.strategy import plan_mask
@@ -182,7 +183,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
         try:
-            if cfg.masking.name == "none":
+            if not is_sdp(cfg.masking.name):
                 with fake, skip_ddp_shape_check():
                     strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build)
                 if cfg.parallelism.name == "ddp":
@@ -221,7 +222,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     return {
         "model": cfg.model.name,
         "masking": cfg.masking.name,
-        "granularity": cfg.masking.granularity if cfg.masking.name != "none" else None,
+        "granularity": cfg.masking.granularity if is_sdp(cfg.masking.name) else None,
         "coverage": cfg.masking.coverage,
         "world_size": world_size,
         "rank": rank,

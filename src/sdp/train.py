@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist
+from sdp.baselines import BASELINES, apply_unit_noise
 from sdp.checkpoint import Checkpoint, check_resume, load_checkpoint, save_checkpoint, truncate_metrics
 from sdp.config import RunConfig, load_config
 from sdp.data import build_data, prepare_data
@@ -29,6 +30,7 @@ from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.fsdp import FSDPStrategy
 from sdp.parallel.sharded import ShardedSDPStrategy
+from sdp.subnet import is_sdp
 from sdp.subnet.strategy import SDPStrategy
 from sdp.trainer import micro_batch_size, train
 
@@ -119,8 +121,10 @@ def build_strategy(
     def checkpointing(model: torch.nn.Module) -> None:
         apply_activation_checkpointing(model, family=cfg.model.family, mode=par.activation_checkpointing)
 
-    if cfg.masking.name == "none":
+    if not is_sdp(cfg.masking.name):
         model = move_to(build(cfg.model), device)
+        if cfg.masking.name in BASELINES:  # DDP / FSDP with SDP's units dropped at random
+            apply_unit_noise(model, family=cfg.model.family, kind=cfg.masking.name, keep=cfg.masking.coverage)
         checkpointing(model)
         if par.name == "fsdp":
             return FSDPStrategy(model, par, family=cfg.model.family, device=device, comm=comm)
@@ -222,6 +226,9 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
         )
         comm = CommCounter()
         strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
+        # Initial weights were drawn alike on every rank; from here on each rank draws its own
+        # dropout, drop-path and baseline masks.
+        torch.manual_seed(cfg.seed + 1 + world.rank)
         summary["n_params"] = strategy.full_params
         summary.update(strategy.describe())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
@@ -299,6 +306,13 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
 def main(argv: list[str] | None = None) -> int:
     overrides = sys.argv[1:] if argv is None else argv
     world = dist.world_from_env()
+    if "-m" in overrides or "--multirun" in overrides:  # a sweep: one torchrun launch per job
+        if "RANK" in os.environ:
+            dist.print0(world, "error: -m: start a sweep with python -m sdp.train -m ..., not under torchrun")
+            return 2
+        from sdp.sweep import run_sweep
+
+        return run_sweep([o for o in overrides if o not in ("-m", "--multirun")])
     try:
         raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
         resume = check_run_dir(cfg, raw, world_size=world.world_size)

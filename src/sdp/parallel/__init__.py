@@ -42,7 +42,8 @@ class ParallelConfig:
 
 def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
     """K, the number of SDP workers: the world, or world / F under SDP x FSDP."""
-    return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and masking != "none" else world_size
+    sdp = masking in ("backward", "forward")
+    return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and sdp else world_size
 
 
 def validate_parallel(
@@ -61,7 +62,7 @@ def validate_parallel(
         raise ConfigError("parallelism.mixed_precision", cfg.mixed_precision, f"allowed: {', '.join(PRECISIONS)}")
     if cfg.fsdp_degree < 1:
         raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
-    if cfg.name == "fsdp" and masking != "none":
+    if cfg.name == "fsdp" and masking in ("backward", "forward"):
         if masking != "forward":
             raise ConfigError(
                 "parallelism",

@@ -14,7 +14,16 @@ from sdp.errors import ConfigError
 from sdp.subnet.mask import CONSTRUCTIONS
 from sdp.subnet.units import GRANULARITIES
 
-MASKINGS = ("none", "backward", "forward")
+SDP_MASKINGS = ("backward", "forward")
+# none: DDP; dropout / stochastic_depth: DDP with SDP's units dropped at random (sdp.baselines).
+MASKINGS = ("none", *SDP_MASKINGS, "dropout", "stochastic_depth")
+
+
+def is_sdp(masking: str) -> bool:
+    """Whether `masking` (masking.name) trains subnetworks (the others hold the whole model)."""
+    return masking in SDP_MASKINGS
+
+
 SCALES = ("auto", "inverse_coverage", "eval_coverage", "none")
 
 
@@ -61,9 +70,9 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
         raise ConfigError("masking.resample_every", cfg.resample_every, "must be >= 0 (0: never resample)")
-    if cfg.name == "none" and cfg.resample_every:
+    if not is_sdp(cfg.name) and cfg.resample_every:
         raise ConfigError(
-            "masking.resample_every", cfg.resample_every, "masking=none has no mask to resample: must be 0"
+            "masking.resample_every", cfg.resample_every, f"masking={cfg.name} has no mask to resample: must be 0"
         )
     if cfg.scale not in SCALES:
         raise ConfigError("masking.scale", cfg.scale, f"allowed: {', '.join(SCALES)}")

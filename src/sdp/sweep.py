@@ -1,0 +1,155 @@
+"""Sweeps: `python -m sdp.train -m KEY=A,B ...` (or `python -m sdp.sweep ...`).
+
+Hydra's sweep syntax (`a=1,2`, `range(...)`, `choice(...)`, `glob(...)`) expands
+into the cross product of jobs, in Hydra's order. Every job is a full
+`torchrun -m sdp.train` run with its own run dir `SWEEP_DIR/NNN-<overrides>`:
+
+- every job's config is checked first, before anything is launched; a job whose
+  config is refused is reported with its one-line error and not launched;
+- jobs run one after the other, each in its own process group, so a failing
+  job does not stop the ones after it;
+- running the same sweep again with the same `sweep.dir=` skips completed jobs
+  and resumes stopped or failed ones from their checkpoints; a failed job
+  without a checkpoint is reported (its run dir is kept for inspection) and
+  runs again once that dir is removed;
+- `SWEEP_DIR/sweep.json` lists every job, its overrides, run dir and status.
+
+Options, given as `sweep.KEY=VALUE` among the overrides:
+`sweep.nproc` (processes per job; default: the visible GPUs, else 1),
+`sweep.dir` (default `outputs/sweeps/<time>`), `sweep.dry_run=true` (check and
+list the jobs only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sdp.errors import ConfigError
+
+SWEEP_KEYS = ("nproc", "dir", "dry_run")
+
+
+@dataclass
+class Job:
+    index: int
+    overrides: list[str]
+    run_dir: str
+    status: str  # invalid | planned | completed | stopped | failed | skipped (already completed)
+    error: str | None = None
+    wall_s: float | None = None
+
+
+def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """`sweep.*` options apart from the run's overrides."""
+    options, overrides = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key.startswith("sweep.") and sep:
+            name = key.removeprefix("sweep.")
+            if name not in SWEEP_KEYS:
+                raise ConfigError(key, value, f"allowed: {', '.join('sweep.' + k for k in SWEEP_KEYS)}")
+            options[name] = value
+        else:
+            overrides.append(arg)
+    return options, overrides
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a sweep: Hydra's cross product of every sweep override, in Hydra's order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as err:
+        raise ConfigError("overrides", " ".join(overrides), str(err).splitlines()[0]) from None
+    if any(o.key_or_group in ("run_dir",) and o.is_sweep_override() for o in parsed):
+        raise ConfigError("run_dir", None, "cannot be swept: each job gets SWEEP_DIR/NNN-<overrides>")
+    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for job in batch]
+
+
+def job_dir(root: Path, index: int, job: list[str], swept: set[str]) -> Path:
+    """NNN-<the job's values of the swept keys>, safe as a path and as an override value."""
+    label = "-".join(o for o in job if o.split("=", 1)[0] in swept) or "job"
+    return root / f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)[:120]}"
+
+
+def _status(run_dir: Path) -> str | None:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()).get("status") if path.is_file() else None
+
+
+def plan(overrides: list[str], *, root: Path, nproc: int) -> list[Job]:
+    """Every job with its run dir, checked before anything runs (a refused job is `invalid`)."""
+    from sdp import dist
+    from sdp.config import load_config
+    from sdp.train import check_run_dir
+
+    jobs = expand(overrides)
+    swept = {o.split("=", 1)[0] for o in overrides if "," in o or "(" in o}
+    out = []
+    for i, job in enumerate(jobs):
+        run_dir = job_dir(root, i, job, swept)
+        status, error = "planned", None
+        if _status(run_dir) == "completed":
+            status = "skipped"
+        else:
+            try:
+                raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
+                check_run_dir(cfg, raw, world_size=nproc)
+            except ConfigError as err:
+                status, error = "invalid", str(err)
+        out.append(Job(i, job, str(run_dir), status, error))
+    return out
+
+
+def run_sweep(argv: list[str]) -> int:
+    """Plan, check and run a sweep; 0 when every valid job completed, 1 when one failed,
+    2 when no job could run."""
+    from sdp.compare import launch
+
+    try:
+        options, overrides = split_options(argv)
+        nproc = int(options.get("nproc", torch.cuda.device_count() or 1))
+        root = Path(options.get("dir") or f"outputs/sweeps/{time.strftime('%Y%m%d-%H%M%S')}")
+        jobs = plan(overrides, root=root, nproc=nproc)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    root.mkdir(parents=True, exist_ok=True)
+
+    def record() -> None:
+        (root / "sweep.json").write_text(json.dumps([asdict(j) for j in jobs], indent=2) + "\n")
+
+    print(f"sweep: {len(jobs)} jobs x {nproc} processes -> {root}", flush=True)
+    for job in jobs:
+        note = f"  ({job.error})" if job.error else ""
+        print(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}", flush=True)
+    record()
+    runnable = [j for j in jobs if j.status == "planned"]
+    if options.get("dry_run", "false").lower() in ("1", "true", "yes"):
+        return 0 if runnable or any(j.status == "skipped" for j in jobs) else 2
+    for job in runnable:
+        rc, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
+        status = _status(Path(job.run_dir))
+        job.status = status if rc == 0 and status in ("completed", "stopped") else "failed"
+        print(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}", flush=True)
+        record()
+    counts = {s: sum(j.status == s for j in jobs) for s in ("completed", "skipped", "stopped", "failed", "invalid")}
+    print("sweep done: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), flush=True)
+    if not runnable and not counts["skipped"]:
+        return 2
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_sweep(sys.argv[1:]))

@@ -1,0 +1,67 @@
+"""Sweeps: Hydra's sweep syntax expanded into one torchrun run per job, checked before launch."""
+
+import json
+
+import pytest
+
+from sdp.errors import ConfigError
+from sdp.sweep import expand, plan, run_sweep, split_options
+
+BASE = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
+BASE += ["trainer.max_steps=2", "logger=none", "dataset.eval_batches=1", "trainer.progress=false"]
+
+
+def test_the_cross_product_in_hydras_order():
+    jobs = expand(["a=1", "variant=ddp,n_sdp_forward", "masking.coverage=0.5,1.0"])
+    assert [[o.split("=")[1] for o in job[1:]] for job in jobs] == [
+        ["ddp", "0.5"],
+        ["ddp", "1.0"],
+        ["n_sdp_forward", "0.5"],
+        ["n_sdp_forward", "1.0"],
+    ]
+    assert len(expand(["optim.lr=range(1,4)", "seed=0,1"])) == 6
+
+
+def test_sweep_options_and_bad_sweeps_are_one_error():
+    options, overrides = split_options(["sweep.nproc=4", "a=1", "sweep.dir=/x"])
+    assert options == {"nproc": "4", "dir": "/x"} and overrides == ["a=1"]
+    with pytest.raises(ConfigError, match="sweep.nprocs='4': allowed: sweep.nproc, sweep.dir, sweep.dry_run"):
+        split_options(["sweep.nprocs=4"])
+    with pytest.raises(ConfigError, match="run_dir"):
+        expand(["run_dir=a,b"])
+
+
+def test_every_job_is_checked_before_anything_runs(tmp_path, capsys):
+    jobs = plan([*BASE, "variant=ddp,n_sdp_forward", "masking.coverage=0.5,1.0"], root=tmp_path, nproc=2)
+    assert [j.status for j in jobs] == ["invalid", "planned", "planned", "planned"]
+    assert jobs[0].error.startswith("masking.coverage=0.5: masking=none holds every unit")
+    assert jobs[2].run_dir == str(tmp_path / "002-variant_n_sdp_forward-masking.coverage_0.5")
+    # A dry run lists the jobs and writes sweep.json; nothing is launched.
+    assert run_sweep([*BASE, "variant=ddp", "masking.coverage=0.5", f"sweep.dir={tmp_path}", "sweep.dry_run=true"]) == 2
+    assert "invalid" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sweep.json").read_text())[0]["status"] == "invalid"
+
+
+@pytest.mark.dist
+def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path):
+    argv = [*BASE, "variant=ddp,n_sdp_forward", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
+    argv += ["masking.coverage=1.0"]
+    assert run_sweep(argv) == 0
+    jobs = json.loads((tmp_path / "sweep.json").read_text())
+    assert [j["status"] for j in jobs] == ["completed", "completed"]
+    for job in jobs:
+        summary = json.loads((tmp_path / job["run_dir"].split("/")[-1] / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["steps"] == 2
+    assert json.loads((tmp_path / jobs[1]["run_dir"].split("/")[-1] / "summary.json").read_text())["masking"] == (
+        "forward"
+    )
+    assert run_sweep(argv) == 0  # the same sweep again: nothing left to run
+    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["skipped", "skipped"]
+
+
+def test_the_entrypoint_takes_minus_m_as_a_sweep(tmp_path):
+    from sdp.train import main
+
+    argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={tmp_path}"]
+    assert main([*argv, "sweep.dry_run=true"]) == 0
+    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["planned", "planned"]
