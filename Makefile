@@ -2,6 +2,7 @@
 # make test          - set up, then the test suite
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP ratios on tiny models (CPU)
+# make tables        - CPU-scale replicas of the paper's tables and plots (results/cpu_replica)
 SHELL := /bin/bash
 PYTHON_BIN ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,7 +13,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-fast lint clean memory-table bench
+.PHONY: setup run test test-fast lint clean memory-table bench tables
 
 setup: $(STAMP) $(FMNIST)
 
@@ -55,3 +56,8 @@ clean:
 lint: setup
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
+
+# CPU-scale replicas of the paper's tables: sweeps of 4 CPU processes on real offline data,
+# then sdp.collect over their run dirs (outputs/cpu_replica; completed runs are not rerun).
+tables: setup
+	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica

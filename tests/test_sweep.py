@@ -65,3 +65,23 @@ def test_the_entrypoint_takes_minus_m_as_a_sweep(tmp_path):
     argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={tmp_path}"]
     assert main([*argv, "sweep.dry_run=true"]) == 0
     assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["planned", "planned"]
+
+
+@pytest.mark.dist
+def test_the_slurm_path_runs_on_submitits_local_executor(tmp_path):
+    # The code path of sweep.launcher=slurm: one task per process, rank and rendezvous from
+    # the job's environment, the entrypoint in each task; submitit's local executor stands
+    # in for Slurm.
+    argv = [*BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
+    assert run_sweep([*argv, "sweep.launcher=submitit_local", "sweep.timeout_min=10"]) == 0
+    jobs = json.loads((tmp_path / "sweep.json").read_text())
+    assert [j["status"] for j in jobs] == ["completed", "completed"] and all(j["cluster_id"] for j in jobs)
+    for job in jobs:
+        summary = json.loads((tmp_path / job["run_dir"].split("/")[-1] / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["world_size"] == 2
+
+
+def test_bad_launchers_are_refused_before_anything_runs(tmp_path):
+    assert run_sweep([*BASE, "sweep.launcher=pbs", f"sweep.dir={tmp_path}"]) == 2
+    assert run_sweep([*BASE, "sweep.nodes=2", f"sweep.dir={tmp_path}"]) == 2
+    assert not (tmp_path / "sweep.json").exists()

@@ -107,7 +107,14 @@ def check_resume(run_dir: Path, config: dict, *, world_size: int) -> Checkpoint 
 
 
 def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG stream of this process, as tensors and plain values (loadable with weights_only)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "python": [version, list(words), gauss_next],
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -115,8 +122,10 @@ def _rng_state(device: torch.device) -> dict:
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, words, gauss_next = state["python"]
+    random.setstate((version, tuple(words), gauss_next))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -190,8 +199,10 @@ def load_checkpoint(
     """Restore this rank's model tensors, optimizer state, lr schedule and RNG streams in place
     (to where they were after step ckpt.step); returns this rank's saved measurements."""
     owner = 0 if strategy.replicated_state else world.rank
-    state = torch.load(_file(ckpt.path, owner), map_location="cpu", weights_only=False)
-    own = torch.load(_file(ckpt.path, world.rank), map_location="cpu", weights_only=False)
+    # weights_only: a checkpoint holds tensors and plain values only, so loading one never
+    # runs code from the file.
+    state = torch.load(_file(ckpt.path, owner), map_location="cpu", weights_only=True)
+    own = torch.load(_file(ckpt.path, world.rank), map_location="cpu", weights_only=True)
     tensors = strategy.model.state_dict(keep_vars=True)
     if tensors.keys() != state["model"].keys():
         missing = sorted(set(tensors) ^ set(state["model"]))[:3]

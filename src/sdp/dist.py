@@ -37,6 +37,24 @@ def world_from_env() -> World:
     )
 
 
+def under_launcher() -> bool:
+    """True inside a process torchrun (or a cluster task) started: the world is set already."""
+    return "RANK" in os.environ
+
+
+def export_world(*, rank: int, local_rank: int, world_size: int, local_world_size: int, addr: str, port: int):
+    """Publish a world that a cluster scheduler (not torchrun) set up, as torchrun would."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def hub_offline() -> bool:
     """True when the user asked the Hugging Face libraries not to touch the network."""
     return any(

@@ -15,9 +15,20 @@ into the cross product of jobs, in Hydra's order. Every job is a full
 - `SWEEP_DIR/sweep.json` lists every job, its overrides, run dir and status.
 
 Options, given as `sweep.KEY=VALUE` among the overrides:
-`sweep.nproc` (processes per job; default: the visible GPUs, else 1),
+`sweep.nproc` (processes per node and job; default: the visible GPUs, else 1),
 `sweep.dir` (default `outputs/sweeps/<time>`), `sweep.dry_run=true` (check and
-list the jobs only).
+list the jobs only), `sweep.launcher`:
+
+- `torchrun` (default): here, one job after the other;
+- `slurm`: every job is a Slurm job of `sweep.nodes` nodes x `sweep.nproc`
+  tasks, one task per GPU, submitted at once with submitit; each task takes
+  its rank, world size and rendezvous address from the Slurm environment and
+  runs the entrypoint (no torchrun). `sweep.partition`, `sweep.timeout_min`
+  (default 4320), `sweep.cpus_per_task` (default 8) and `sweep.wait`
+  (default true: wait for the jobs and report them; false: return after
+  submitting) shape the submission; the submitit logs are in SWEEP_DIR/submitit;
+- `submitit_local`: the same code path on this machine (submitit's local
+  executor starts the tasks), which is how the Slurm path is tested.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import json
 import re
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +45,8 @@ import torch
 
 from sdp.errors import ConfigError
 
-SWEEP_KEYS = ("nproc", "dir", "dry_run")
+SWEEP_KEYS = ("nproc", "dir", "dry_run", "launcher", "nodes", "partition", "timeout_min", "cpus_per_task", "wait")
+LAUNCHERS = ("torchrun", "slurm", "submitit_local")
 
 
 @dataclass
@@ -44,6 +57,7 @@ class Job:
     status: str  # invalid | planned | completed | stopped | failed | skipped (already completed)
     error: str | None = None
     wall_s: float | None = None
+    cluster_id: str | None = None  # the Slurm (or local submitit) job id
 
 
 def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -112,6 +126,50 @@ def plan(overrides: list[str], *, root: Path, nproc: int) -> list[Job]:
     return out
 
 
+def _truthy(value: str | None, default: bool) -> bool:
+    return default if value is None else value.lower() in ("1", "true", "yes")
+
+
+def _port(job_id: str) -> int:
+    """A rendezvous port every task of one job derives alike from the job id."""
+    return 20000 + zlib.crc32(job_id.encode()) % 20000
+
+
+def cluster_task(overrides: list[str]) -> int:
+    """One task of a Slurm (or submitit-local) job: rank and rendezvous from the job's
+    environment, then the entrypoint in this process."""
+    import submitit
+
+    from sdp import dist
+    from sdp.train import main
+
+    env = submitit.JobEnvironment()
+    dist.export_world(
+        rank=env.global_rank,
+        local_rank=env.local_rank,
+        world_size=env.num_tasks,
+        local_world_size=env.num_tasks // env.num_nodes,
+        addr=env.hostnames[0] if env.num_nodes > 1 else "127.0.0.1",
+        port=_port(env.job_id),
+    )
+
+    return main(list(overrides))
+
+
+def _executor(launcher: str, options: dict[str, str], *, root: Path, nproc: int, nodes: int):
+    import submitit
+
+    cluster = "slurm" if launcher == "slurm" else "local"
+    executor = submitit.AutoExecutor(folder=root / "submitit" / "%j", cluster=cluster)
+    params = {"name": "sdp", "tasks_per_node": nproc, "timeout_min": int(options.get("timeout_min", 4320))}
+    if cluster == "slurm":
+        params.update(nodes=nodes, gpus_per_node=nproc, cpus_per_task=int(options.get("cpus_per_task", 8)))
+        if options.get("partition"):
+            params["slurm_partition"] = options["partition"]
+    executor.update_parameters(**params)
+    return executor
+
+
 def run_sweep(argv: list[str]) -> int:
     """Plan, check and run a sweep; 0 when every valid job completed, 1 when one failed,
     2 when no job could run."""
@@ -120,8 +178,14 @@ def run_sweep(argv: list[str]) -> int:
     try:
         options, overrides = split_options(argv)
         nproc = int(options.get("nproc", torch.cuda.device_count() or 1))
+        nodes = int(options.get("nodes", 1))
+        launcher = options.get("launcher", "torchrun")
+        if launcher not in LAUNCHERS:
+            raise ConfigError("sweep.launcher", launcher, f"allowed: {', '.join(LAUNCHERS)}")
+        if nodes > 1 and launcher != "slurm":
+            raise ConfigError("sweep.nodes", nodes, "more than one node needs sweep.launcher=slurm")
         root = Path(options.get("dir") or f"outputs/sweeps/{time.strftime('%Y%m%d-%H%M%S')}")
-        jobs = plan(overrides, root=root, nproc=nproc)
+        jobs = plan(overrides, root=root, nproc=nproc * nodes)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -130,20 +194,44 @@ def run_sweep(argv: list[str]) -> int:
     def record() -> None:
         (root / "sweep.json").write_text(json.dumps([asdict(j) for j in jobs], indent=2) + "\n")
 
-    print(f"sweep: {len(jobs)} jobs x {nproc} processes -> {root}", flush=True)
+    print(f"sweep: {len(jobs)} jobs x {nodes * nproc} processes ({launcher}) -> {root}", flush=True)
     for job in jobs:
         note = f"  ({job.error})" if job.error else ""
         print(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}", flush=True)
     record()
     runnable = [j for j in jobs if j.status == "planned"]
-    if options.get("dry_run", "false").lower() in ("1", "true", "yes"):
+    if _truthy(options.get("dry_run"), False):
         return 0 if runnable or any(j.status == "skipped" for j in jobs) else 2
-    for job in runnable:
-        rc, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
-        status = _status(Path(job.run_dir))
-        job.status = status if rc == 0 and status in ("completed", "stopped") else "failed"
-        print(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}", flush=True)
+    if launcher == "torchrun":
+        for job in runnable:
+            rc, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
+            status = _status(Path(job.run_dir))
+            job.status = status if rc == 0 and status in ("completed", "stopped") else "failed"
+            print(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}", flush=True)
+            record()
+    else:
+        executor = _executor(launcher, options, root=root, nproc=nproc, nodes=nodes)
+        submitted = []
+        for job in runnable:
+            handle = executor.submit(cluster_task, [*job.overrides, f"run_dir={job.run_dir}"])
+            job.status, job.cluster_id = "submitted", str(handle.job_id)
+            submitted.append((job, handle, time.perf_counter()))
+            print(f"[{job.index:03d}] submitted as job {handle.job_id}", flush=True)
         record()
+        if not _truthy(options.get("wait"), True):
+            return 0
+        for job, handle, start in submitted:
+            try:
+                codes = handle.results()  # one exit code per task
+                ok = all(code == 0 for code in codes)
+            except Exception as err:  # noqa: BLE001 - a failed job is reported, the others go on
+                ok = False
+                job.error = str(err).strip().splitlines()[-1][:500] if str(err).strip() else type(err).__name__
+            job.wall_s = time.perf_counter() - start
+            status = _status(Path(job.run_dir))
+            job.status = status if ok and status in ("completed", "stopped") else "failed"
+            print(f"[{job.index:03d}] {job.status}: {job.run_dir}", flush=True)
+            record()
     counts = {s: sum(j.status == s for j in jobs) for s in ("completed", "skipped", "stopped", "failed", "invalid")}
     print("sweep done: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), flush=True)
     if not runnable and not counts["skipped"]:

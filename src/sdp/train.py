@@ -228,7 +228,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
         strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
         # Initial weights were drawn alike on every rank; from here on each rank draws its own
         # dropout, drop-path and baseline masks.
-        torch.manual_seed(cfg.seed + 1 + world.rank)
+        torch.manual_seed(cfg.seed + world.rank)
         summary["n_params"] = strategy.full_params
         summary.update(strategy.describe())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = sys.argv[1:] if argv is None else argv
     world = dist.world_from_env()
     if "-m" in overrides or "--multirun" in overrides:  # a sweep: one torchrun launch per job
-        if "RANK" in os.environ:
+        if dist.under_launcher():
             dist.print0(world, "error: -m: start a sweep with python -m sdp.train -m ..., not under torchrun")
             return 2
         from sdp.sweep import run_sweep

@@ -1,0 +1,347 @@
+"""Paper tables and plots from run dirs: `python -m sdp.collect ROOT [ROOT ...] --out DIR`.
+
+Reads every run dir under the roots (`summary.json`, `metrics.jsonl`; never the
+W&B API) and writes, per table (one model on one dataset):
+
+- `DIR/<model>_<dataset>.md` and `.csv`: one row per variant x coverage x
+  protocol, seeds aggregated (mean ± std over completed runs): quality (eval
+  accuracy, or eval loss and perplexity), the busiest rank's live-tensor peak
+  and static bytes (and the CUDA allocator's peak when measured) with their
+  change against the table's DDP row, per-rank throughput, communication and
+  step time;
+- `DIR/<model>_<dataset>_loss.png` (training loss per row), `_memory.png`
+  (peak per rank) and `_quality.png` (quality against coverage, DDP as a line).
+
+Runs that did not complete are counted in the table's note, not in its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+GIB, MIB = 2**30, 2**20
+
+
+def variant_label(summary: dict) -> str:
+    """The paper's name of a run's variant, plus the memory-saving methods stacked on it."""
+    masking = summary["masking"]
+    if masking == "none":
+        label = "FSDP" if summary.get("parallelism") == "fsdp" else "DDP"
+    elif masking == "dropout":
+        label = "Dropout"
+    elif masking == "stochastic_depth":
+        label = "Stochastic depth"
+    else:
+        label = f"{'N' if summary.get('granularity') == 'neuron' else 'B'}-SDP {masking}"
+        if summary.get("parallelism") == "fsdp":
+            label += f" x FSDP({summary.get('fsdp_degree', 1)})"
+    if summary.get("activation_checkpointing", "none") != "none":
+        label += " + AC"
+    if summary.get("mixed_precision") == "bf16":
+        label += " + bf16"
+    return label
+
+
+def find_runs(roots: list[Path]) -> list[tuple[Path, dict]]:
+    """Every run dir under the roots, with its summary, in path order."""
+    found = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("summary.json")):
+            found.append((path.parent, json.loads(path.read_text())))
+    return found
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _static(summary: dict) -> int:
+    mem = summary["memory"]
+    return mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+
+
+# Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
+NOT_A_SETTING = ("seed", "name", "run_dir", "output_root", "logger")
+NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step")
+
+
+def settings(run_dir: Path) -> dict:
+    """The run's config.yaml without seeds and bookkeeping: runs with equal settings are one row."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    config = {k: v for k, v in config.items() if k not in NOT_A_SETTING}
+    trainer = {k: v for k, v in config.get("trainer", {}).items() if k not in NOT_A_TRAINER_SETTING}
+    masking = {k: v for k, v in config.get("masking", {}).items() if k != "seed"}
+    return {**config, "trainer": trainer, "masking": masking}
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """Nested settings as {"a.b": value}."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def build_rows(runs: list[tuple[Path, dict]]) -> dict[str, dict]:
+    """{table: {"rows": [...], "incomplete": n, "kind": text|image}} from completed runs."""
+    groups: dict[str, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    incomplete: dict[str, int] = defaultdict(int)
+    kinds: dict[str, str] = {}
+    for run_dir, s in runs:
+        table = f"{s['model']}_{s['dataset']}"
+        if s.get("status") != "completed":
+            incomplete[table] += 1
+            continue
+        kinds[table] = "text" if "eval_token_acc" in s or s.get("throughput_unit") == "tokens/s" else "image"
+        config = settings(run_dir)
+        key = (variant_label(s), s.get("coverage", 1.0), s.get("protocol", "same_iteration"), json.dumps(config))
+        groups[table][key].append((run_dir, s))
+    tables = {}
+    for table, by_key in groups.items():
+        # Rows of one variant, C and protocol that differ in other settings say their values of them.
+        siblings: dict[tuple, list[dict]] = defaultdict(list)
+        for label, coverage, protocol, config in by_key:
+            siblings[(label, coverage, protocol)].append(_flat(json.loads(config)))
+        rows = []
+        for (label, coverage, protocol, config), members in by_key.items():
+            flat, others = _flat(json.loads(config)), siblings[(label, coverage, protocol)]
+            differing = sorted({k for o in others for k in o.keys() | flat.keys() if o.get(k) != flat.get(k)})
+            if differing:
+                label += " [" + ", ".join(f"{k}={flat.get(k)}" for k in differing[:3]) + "]"
+            sums = [s for _, s in members]
+            row = {"variant": label, "coverage": coverage, "protocol": protocol, "runs": len(sums)}
+            row["steps"] = sums[0]["steps"]
+            if kinds[table] == "image":
+                row["eval_acc"], row["eval_acc_std"] = _mean_std([s.get("eval_acc") for s in sums])
+            row["eval_loss"], row["eval_loss_std"] = _mean_std([s.get("eval_loss") for s in sums])
+            if kinds[table] == "text" and row["eval_loss"] is not None:
+                row["eval_ppl"] = math.exp(row["eval_loss"])
+            row["peak_gib"], _ = _mean_std(
+                [s["memory"]["peak_bytes"] / GIB for s in sums if s["memory"].get("peak_bytes")]
+            )
+            row["static_gib"], _ = _mean_std([_static(s) / GIB for s in sums])
+            cuda = [s["memory"].get("cuda_max_allocated_bytes") for s in sums]
+            row["cuda_peak_gib"] = _mean_std([c / GIB for c in cuda if c])[0]
+            row["throughput_per_rank"], _ = _mean_std([s.get("tokens_or_samples_per_s_per_rank") for s in sums])
+            row["comm_mib_per_step"], _ = _mean_std([s["comm_bytes_per_step"] / MIB for s in sums])
+            row["step_time_s"], _ = _mean_std([s.get("step_time_s") for s in sums])
+            row["run_dirs"] = [str(d) for d, _ in members]
+            rows.append(row)
+        ddp = next((r for r in rows if r["variant"] == "DDP"), None)
+        for row in rows:
+            for key in ("peak_gib", "static_gib", "cuda_peak_gib"):
+                base = ddp.get(key) if ddp else None
+                row[f"{key}_vs_ddp"] = row[key] / base - 1 if base and row.get(key) is not None else None
+        order = ["DDP", "FSDP", "Dropout", "Stochastic depth"]
+        rows.sort(
+            key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 9, r["variant"], -r["coverage"])
+        )
+        tables[table] = {"rows": rows, "incomplete": incomplete[table], "kind": kinds[table]}
+    return tables
+
+
+def _fmt(value, spec: str = ".3f", std=None) -> str:
+    if value is None:
+        return "—"
+    text = format(value, spec)
+    return f"{text} ± {format(std, spec)}" if std else text
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{value * 100:+.1f}%"
+
+
+def markdown(table: str, info: dict, *, command: str) -> str:
+    rows, kind = info["rows"], info["kind"]
+    quality = ["eval acc"] if kind == "image" else ["eval loss", "ppl"]
+    unit = "samples/s" if kind == "image" else "tokens/s"
+    head = [
+        "variant",
+        "C",
+        "protocol",
+        "steps",
+        "runs",
+        *quality,
+        "peak GiB/rank",
+        "vs DDP",
+        "static GiB/rank",
+        "vs DDP",
+        "CUDA peak GiB",
+        f"{unit}/rank",
+        "comm MiB/step",
+        "step s",
+    ]
+    lines = [
+        f"# {table}",
+        "",
+        f"Generated by `{command}` from run dirs (summary.json, metrics.jsonl). One row per variant x "
+        "coverage C x protocol; runs that differ only in their seed are averaged "
+        "(± one standard deviation over the *runs* column's runs). "
+        "Memory is the busiest rank's: the live-tensor peak of a steady-state step and the static weights + "
+        "gradients + optimizer state; *vs DDP* is the change against this table's DDP row. "
+        f"Runs that did not complete: {info['incomplete']}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in rows:
+        if kind == "image":
+            pct = [None if v is None else 100 * v for v in (r["eval_acc"], r["eval_acc_std"])]
+            q = [_fmt(pct[0], ".2f", pct[1])]
+        else:
+            q = [_fmt(r["eval_loss"], ".4f", r["eval_loss_std"]), _fmt(r.get("eval_ppl"), ".2f")]
+        cells = [
+            r["variant"],
+            f"{r['coverage']:g}",
+            r["protocol"],
+            str(r["steps"]),
+            str(r["runs"]),
+            *q,
+            _fmt(r["peak_gib"], ".4f"),
+            _pct(r["peak_gib_vs_ddp"]),
+            _fmt(r["static_gib"], ".4f"),
+            _pct(r["static_gib_vs_ddp"]),
+            _fmt(r["cuda_peak_gib"], ".2f"),
+            _fmt(r["throughput_per_rank"], ".0f"),
+            _fmt(r["comm_mib_per_step"], ".2f"),
+            _fmt(r["step_time_s"], ".3f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+CSV_KEYS = [
+    "variant",
+    "coverage",
+    "protocol",
+    "steps",
+    "runs",
+    "eval_acc",
+    "eval_acc_std",
+    "eval_loss",
+    "eval_loss_std",
+    "eval_ppl",
+    "peak_gib",
+    "peak_gib_vs_ddp",
+    "static_gib",
+    "static_gib_vs_ddp",
+    "cuda_peak_gib",
+    "cuda_peak_gib_vs_ddp",
+    "throughput_per_rank",
+    "comm_mib_per_step",
+    "step_time_s",
+]
+
+
+def _series(r: dict) -> str:
+    """A plot series: the variant, and its protocol unless it is the default."""
+    return r["variant"] if r["protocol"] == "same_iteration" else f"{r['variant']} ({r['protocol']})"
+
+
+def _label(r: dict) -> str:
+    return _series(r) if r["variant"] == "DDP" else f"{_series(r)} C={r['coverage']:g}"
+
+
+def plots(table: str, info: dict, out: Path) -> list[Path]:
+    """Training loss per row, peak memory per row, quality against coverage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, kind = info["rows"], info["kind"]
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        records = [json.loads(line) for line in (Path(r["run_dirs"][0]) / "metrics.jsonl").read_text().splitlines()]
+        points = [(x["step"], x["train_loss"]) for x in records if "train_loss" in x]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=_label(r), lw=1.2)
+    ax.set(xlabel="step", ylabel="train loss (first seed)", title=f"{table}: training loss")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / f"{table}_loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = [_label(r) for r in rows]
+    ax.barh(labels, [(r["peak_gib"] or 0) * 1024 for r in rows], color="tab:blue", label="live peak")
+    ax.barh(labels, [(r["static_gib"] or 0) * 1024 for r in rows], color="tab:orange", label="static")
+    ax.set(xlabel="MiB per rank (busiest rank)", title=f"{table}: memory per rank")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / f"{table}_memory.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    metric, name = ("eval_acc", "eval accuracy") if kind == "image" else ("eval_loss", "eval loss")
+    for series in sorted({_series(r) for r in rows if r["variant"] != "DDP"}):
+        pts = sorted((r["coverage"], r[metric]) for r in rows if _series(r) == series and r[metric] is not None)
+        if pts:
+            marker = "s" if series.endswith(")") else "o"
+            ax.plot(*zip(*pts, strict=True), marker=marker, ls="-" if len(pts) > 1 else "none", label=series)
+    ddp = next((r for r in rows if r["variant"] == "DDP" and r[metric] is not None), None)
+    if ddp:
+        ax.axhline(ddp[metric], color="black", ls="--", lw=1, label="DDP")
+    ax.set(xlabel="coverage C", ylabel=name, title=f"{table}: quality against coverage")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / f"{table}_quality.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def collect(roots: list[Path], out: Path, *, command: str, make_plots: bool = True) -> list[Path]:
+    """Write every table (and its plots) found under `roots` into `out`; returns the files written."""
+    tables = build_rows(find_runs(roots))
+    if not tables:
+        raise SystemExit(f"error: no completed run (summary.json) under {', '.join(map(str, roots))}")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for table, info in sorted(tables.items()):
+        md = out / f"{table}.md"
+        md.write_text(markdown(table, info, command=command))
+        with (out / f"{table}.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(info["rows"])
+        written += [md, out / f"{table}.csv"]
+        if make_plots:
+            written += plots(table, info, out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("roots", nargs="+", type=Path, help="directories holding run dirs (searched recursively)")
+    parser.add_argument("--out", type=Path, default=Path("results/tables"))
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    command = "python -m sdp.collect " + " ".join([*map(str, args.roots), "--out", str(args.out)])
+    for path in collect(args.roots, args.out, command=command, make_plots=not args.no_plots):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

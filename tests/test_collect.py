@@ -1,0 +1,101 @@
+"""Tables from run dirs: rows, seeds averaged, reductions against DDP, plots."""
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from sdp.collect import build_rows, collect, find_runs, variant_label
+
+GIB = 2**30
+
+
+def _run(root, name, *, masking="none", gran="neuron", coverage=1.0, seed=0, acc=0.8, peak=4.0, lr=0.1, **extra):
+    d = root / name
+    d.mkdir(parents=True)
+    summary = {
+        "status": "completed",
+        "model": "resnet_tiny",
+        "dataset": "fashion_mnist",
+        "masking": masking,
+        "granularity": gran,
+        "coverage": coverage,
+        "protocol": "same_iteration",
+        "seed": seed,
+        "steps": 10,
+        "eval_loss": 1.0 - acc,
+        "eval_acc": acc,
+        "throughput_unit": "samples/s",
+        "memory": {
+            "params_bytes": GIB,
+            "grads_bytes": GIB,
+            "optim_bytes": 2 * GIB * coverage,
+            "peak_bytes": peak * GIB,
+            "cuda_max_allocated_bytes": None,
+        },
+        "tokens_or_samples_per_s_per_rank": 100.0,
+        "comm_bytes_per_step": 2**20,
+        "step_time_s": 0.5,
+        "parallelism": "ddp",
+        "activation_checkpointing": "none",
+        "mixed_precision": "fp32",
+        **extra,
+    }
+    (d / "summary.json").write_text(json.dumps(summary))
+    config = {"seed": seed, "run_dir": str(d), "masking": {"name": masking, "coverage": coverage}, "optim": {"lr": lr}}
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train_loss": 2.0 / s}) + "\n" for s in (1, 5, 10)))
+    return d
+
+
+def test_rows_average_seeds_and_compare_with_ddp(tmp_path):
+    _run(tmp_path, "ddp", acc=0.8, peak=4.0)
+    _run(tmp_path, "fwd-s0", masking="forward", coverage=0.5, acc=0.70, peak=2.0)
+    _run(tmp_path, "fwd-s1", masking="forward", coverage=0.5, seed=1, acc=0.74, peak=2.0)
+    _run(tmp_path, "fwd-lr", masking="forward", coverage=0.5, acc=0.6, peak=2.0, lr=0.2)  # another setting
+    _run(tmp_path, "failed", masking="forward", coverage=0.5, status="failed")
+    tables = build_rows(find_runs([tmp_path]))
+    info = tables["resnet_tiny_fashion_mnist"]
+    assert info["incomplete"] == 1 and info["kind"] == "image"
+    rows = {r["variant"]: r for r in info["rows"]}
+    assert list(rows)[0] == "DDP"
+    sdp = rows["N-SDP forward [optim.lr=0.1]"]
+    assert (
+        sdp["runs"] == 2
+        and sdp["eval_acc"] == pytest.approx(0.72)
+        and sdp["eval_acc_std"] == pytest.approx(0.0283, abs=1e-4)
+    )
+    assert sdp["peak_gib_vs_ddp"] == pytest.approx(-0.5)
+    assert sdp["static_gib_vs_ddp"] == pytest.approx(3 / 4 - 1)
+    assert rows["N-SDP forward [optim.lr=0.2]"]["eval_acc"] == pytest.approx(0.6)
+
+
+def test_labels_name_the_paper_variants_and_stacked_methods():
+    base = {"masking": "forward", "granularity": "block", "parallelism": "fsdp", "fsdp_degree": 4}
+    assert variant_label({**base, "activation_checkpointing": "full", "mixed_precision": "bf16"}) == (
+        "B-SDP forward x FSDP(4) + AC + bf16"
+    )
+    assert variant_label({"masking": "none", "parallelism": "fsdp"}) == "FSDP"
+    assert variant_label({"masking": "stochastic_depth"}) == "Stochastic depth"
+
+
+def test_collect_writes_markdown_csv_and_plots(tmp_path):
+    runs = tmp_path / "runs"
+    _run(runs, "ddp")
+    _run(runs, "b-bwd", masking="backward", gran="block", coverage=0.5, acc=0.78, peak=3.0)
+    written = collect([runs], tmp_path / "out", command="python -m sdp.collect runs")
+    names = sorted(p.name for p in written)
+    assert names == sorted(
+        f"resnet_tiny_fashion_mnist{s}" for s in (".md", ".csv", "_loss.png", "_memory.png", "_quality.png")
+    )
+    md = (tmp_path / "out" / "resnet_tiny_fashion_mnist.md").read_text()
+    assert "| B-SDP backward | 0.5 |" in md and "-25.0%" in md and "78.00" in md
+    rows = list(csv.DictReader((tmp_path / "out" / "resnet_tiny_fashion_mnist.csv").open()))
+    assert [r["variant"] for r in rows] == ["DDP", "B-SDP backward"]
+    assert all((tmp_path / "out" / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+
+def test_no_runs_is_one_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no completed run"):
+        collect([tmp_path], tmp_path / "out", command="x")
