@@ -308,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.world_from_env()
     if "-m" in overrides or "--multirun" in overrides:  # a sweep: one torchrun launch per job
         if dist.under_launcher():
-            dist.print0(world, "error: -m: start a sweep with python -m sdp.train -m ..., not under torchrun")
+            dist.print0(
+                world, "error: -m: start a sweep with python -m sdp.train -m ..., not under torchrun", file=sys.stderr
+            )
             return 2
         from sdp.sweep import run_sweep
 
