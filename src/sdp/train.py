@@ -320,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         resume = check_run_dir(cfg, raw, world_size=world.world_size)
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
+        if not world.is_main:
+            # Every rank finds the same error, rank 0 reports it: torchrun stops the job when
+            # the first rank exits, so the others leave after rank 0 has had time to print.
+            time.sleep(2)
         return 2
     summary = run(raw, cfg, world, resume=resume)
     if world.is_main:
