@@ -16,7 +16,8 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     again.close()
     assert again.wandb_id == first.wandb_id
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(first.wandb_id) for name in runs)  # one W&B run, two segments
+    # One W&B run id, two segments (W&B adds "-1" when both start within the same second).
+    assert len(runs) == 2 and all(f"-{first.wandb_id}" in name for name in runs)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
 
