@@ -54,7 +54,7 @@ class Job:
     index: int
     overrides: list[str]
     run_dir: str
-    status: str  # invalid | planned | completed | stopped | failed | skipped (already completed)
+    status: str  # invalid | planned | submitted | completed | stopped | failed | skipped (already completed)
     error: str | None = None
     wall_s: float | None = None
     cluster_id: str | None = None  # the Slurm (or local submitit) job id

@@ -80,17 +80,20 @@ def train_stream(cfg: DataConfig, dataset: EpochDataset, *, place: Placement, co
         dataset, num_replicas=place.world_size, rank=place.rank, shuffle=True, seed=place.seed, drop_last=True
     )
     check_shard_fits(cfg, per_rank=len(sampler), batch_size=place.batch_size)
-    loader = DataLoader(
-        dataset,
-        batch_size=place.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=cfg.num_workers,
-        collate_fn=collate_fn,
-        # Worker seeds come from this generator, not from the trainer's global RNG.
-        generator=torch.Generator().manual_seed(place.seed + place.rank),
-    )
 
+    def loader_over(indices) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=place.batch_size,
+            sampler=indices,
+            drop_last=True,
+            num_workers=cfg.num_workers,
+            collate_fn=collate_fn,
+            # Worker seeds come from this generator, not from the trainer's global RNG.
+            generator=torch.Generator().manual_seed(place.seed + place.rank),
+        )
+
+    loader = loader_over(sampler)
     # A resumed run starts inside an epoch: that epoch's first `skip` batches are left out by
     # index (nothing is loaded for them); the order and augmentation draws are the same.
     per_epoch = len(sampler) // place.batch_size
@@ -100,16 +103,7 @@ def train_stream(cfg: DataConfig, dataset: EpochDataset, *, place: Placement, co
         sampler.set_epoch(epoch)
         dataset.set_epoch(epoch)
         if epoch == start_epoch and skip:
-            rest = list(sampler)[skip * place.batch_size :]
-            return DataLoader(
-                dataset,
-                batch_size=place.batch_size,
-                sampler=rest,
-                drop_last=True,
-                num_workers=cfg.num_workers,
-                collate_fn=collate_fn,
-                generator=torch.Generator().manual_seed(place.seed + place.rank + epoch),
-            )
+            return loader_over(list(sampler)[skip * place.batch_size :])
         return loader
 
     return repeat_epochs(epoch_pass, start_epoch=start_epoch)
