@@ -1,5 +1,8 @@
 """Every config in conf/ composes; bad input fails with one line naming the key."""
 
+import re
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -110,3 +113,43 @@ def test_hub_access_while_offline():
 )
 def test_bad_values_name_their_key(override, key):
     assert _error(["dataset=synthetic_image", *override.split()]).startswith(key)
+
+
+def _readme_error_table() -> list[tuple[str, list[str], int, str]]:
+    """The rows of the README's 'Bad input' table: (what, overrides, processes, error start)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    row = re.compile(r"^\| (.+?) \| `([^`]+)` \((\d+)\) \| `(.+)` \|$")
+    rows = [m.groups() for m in map(row.match, section.splitlines()) if m]
+    return [(what, overrides.split(), int(n), error) for what, overrides, n, error in rows]
+
+
+README_ERRORS = _readme_error_table()
+
+
+def test_the_readme_lists_the_errors_the_issue_asks_for():
+    listed = " ".join(what for what, *_ in README_ERRORS)
+    for case in ("coverage outside", "holder per unit", "FSDP degree", "unknown model", "unknown dataset",
+                 "unknown masking", "seq_len", "batch not divisible", "missing data path", "offline",
+                 "FSDP that contradicts the masking"):  # fmt: skip
+        assert case in listed, case
+
+
+@pytest.mark.parametrize("what,overrides,nproc,error", README_ERRORS, ids=[r[0] for r in README_ERRORS])
+def test_every_readme_error_is_what_the_entrypoint_says(what, overrides, nproc, error, tmp_path, monkeypatch, capsys):
+    # Rank 0 of an `nproc`-process launch, in this process: the error comes before any
+    # process group, so nothing needs the other ranks.
+    import torch.distributed
+
+    from sdp.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(nproc))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    out = tmp_path / "outputs"
+    assert main([*overrides, f"output_root={out}"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {error}"), captured.err
+    assert captured.out == ""
+    assert not out.exists() and not torch.distributed.is_initialized()

@@ -11,7 +11,7 @@ KINDS = ["ffn", "heads", "ffn", "heads", "block", "block", "block", "block"]
 
 
 @pytest.mark.parametrize(
-    "k,coverage,r", [(4, 0.25, 1), (4, 0.5, 2), (4, 0.75, 3), (4, 1.0, 4), (8, 0.5, 4), (3, 0.5, 2)]
+    "k,coverage,r", [(4, 0.25, 1), (4, 0.5, 2), (4, 0.75, 3), (4, 1.0, 4), (8, 0.5, 4), (3, 2 / 3, 2)]
 )
 def test_cyclic_mask_has_r_holders_and_equal_loads(k, coverage, r):
     mask = build_mask(SIZES, num_workers=k, coverage=coverage, group_kinds=KINDS)
@@ -67,7 +67,10 @@ def test_stats_report_coverage_per_worker():
     [
         (0.0, 4, "must be in (0, 1]"),
         (1.5, 4, "must be in (0, 1]"),
-        (0.1, 4, "needs coverage >= 0.125"),
+        (0.1, 4, "0.1 x 4 = 0.4 holders per unit"),
+        # The coverage a run reports is the one it trains with: C x K is not rounded.
+        (0.3, 4, "allowed with K=4 workers: 0.25, 0.5, 0.75, 1"),
+        (0.5, 1, "allowed with K=1 workers: 1"),
     ],
 )
 def test_impossible_requests_are_refused(coverage, k, fragment):

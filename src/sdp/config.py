@@ -8,6 +8,7 @@ group starts.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +70,25 @@ def _explain_compose_error(err: Exception, overrides: list[str]) -> ConfigError:
     if not_in_struct:
         key = not_in_struct.group(1)
         value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
-        return ConfigError(key, value, "no such key (prefix '+' to add a new one)")
+        hint = _closest_key(key, [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key])
+        return ConfigError(key, value, f"no such key{hint} (prefix '+' to add a new one)")
     first_line = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
     return ConfigError("overrides", " ".join(overrides), f"could not be composed: {first_line}")
+
+
+def _closest_key(key: str, overrides: list[str]) -> str:
+    """', did you mean a.b?' for a mistyped dotted key, from the keys the config has there ('' if none)."""
+    parent, _, last = key.rpartition(".")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+    except (HydraException, OmegaConfBaseException):
+        return ""
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(last, [str(k) for k in node.keys()], n=1)
+    return f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
 
 
 def check_pairing(cfg: DictConfig) -> None:

@@ -62,6 +62,13 @@ def validate_parallel(
         raise ConfigError("parallelism.mixed_precision", cfg.mixed_precision, f"allowed: {', '.join(PRECISIONS)}")
     if cfg.fsdp_degree < 1:
         raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
+    if cfg.fsdp_degree > 1 and not (cfg.name == "fsdp" and masking in ("backward", "forward")):
+        raise ConfigError(
+            "parallelism.fsdp_degree",
+            cfg.fsdp_degree,
+            f"is the shard group of each SDP worker and applies only to parallelism=fsdp with masking=forward "
+            f"(here parallelism={cfg.name}, masking={masking}; plain FSDP shards over all ranks); allowed: 1",
+        )
     if cfg.name == "fsdp" and masking in ("backward", "forward"):
         if masking != "forward":
             raise ConfigError(

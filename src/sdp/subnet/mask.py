@@ -5,7 +5,7 @@ seed): every rank computes the same mask without communication.
 
 Balanced cyclic construction (see ../shared/ARCHITECTURE.md): the units of
 every group are split into K chunks; worker k holds chunks k, k+1, ...,
-k+r-1 (mod K) with r = round(C*K) >= 1, so every chunk has exactly r holders
+k+r-1 (mod K) with r = C*K >= 1 (a whole number), so every chunk has exactly r holders
 and every worker holds r of the K chunks of every group. Chunk boundaries are
 rotated from group to group, so the one-unit differences between chunk sizes
 average out over the depth; for block units (one unit per group) the rotation
@@ -38,16 +38,18 @@ CONSTRUCTIONS = ("cyclic", "random")
 
 
 def holders_per_unit(coverage: float, num_workers: int) -> int:
-    """r = round(C*K): how many workers hold each unit; errors when no valid r exists."""
+    """r = C*K: how many workers hold each unit. C*K must be a whole number >= 1, so that the
+    coverage a run reports is the coverage it trains with."""
     if not 0.0 < coverage <= 1.0:
         raise ConfigError("masking.coverage", coverage, "must be in (0, 1]")
     r = int(np.floor(coverage * num_workers + 0.5))
-    if r < 1:
+    if r < 1 or abs(coverage * num_workers - r) > 1e-6:
+        allowed = ", ".join(f"{h / num_workers:g}" for h in range(1, num_workers + 1))
         raise ConfigError(
             "masking.coverage",
             coverage,
-            f"gives round(C*K) = round({coverage}*{num_workers}) = 0 holders per unit; "
-            f"needs coverage >= {0.5 / num_workers:.3g} with K={num_workers} workers, or more workers",
+            f"gives C x K = {coverage} x {num_workers} = {coverage * num_workers:.4g} holders per unit, which must "
+            f"be a whole number >= 1; allowed with K={num_workers} workers: {allowed}",
         )
     return r
 
