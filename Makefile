@@ -3,6 +3,7 @@
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP ratios on tiny models (CPU)
 # make tables        - CPU-scale replicas of the paper's tables and plots (results/cpu_replica)
+# make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
 SHELL := /bin/bash
 PYTHON_BIN ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -13,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-fast lint clean memory-table bench tables
+.PHONY: setup run test test-fast lint clean memory-table bench tables soak
 
 setup: $(STAMP) $(FMNIST)
 
@@ -61,3 +62,8 @@ lint: setup
 # then sdp.collect over their run dirs (outputs/cpu_replica; completed runs are not rerun).
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
+
+# Many short runs in one sweep (4 CPU processes... see scripts/soak.py), one forced to diverge: the
+# others complete and sweep.json marks the failure. About 10 min on 2 cores.
+soak: setup
+	$(PY) scripts/soak.py

@@ -1,7 +1,16 @@
 """Run logging: metrics.jsonl always, W&B on rank 0 when asked, never fatal, resumable."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
+import pytest
+
+from sdp.config import load_config
+from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, RunLogger
 
 
@@ -44,3 +53,107 @@ def test_only_rank_0_writes(tmp_path):
     logger.summary({"status": "completed"})
     logger.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_init_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match=r"^logger.init_timeout_s=0.0: must be > 0"):
+        load_config(["dataset=synthetic_image", "logger.init_timeout_s=0"], world_size=1, offline=True)
+
+
+def _short_run(logger: RunLogger) -> None:
+    for step in (1, 2):
+        logger.log({"step": step, "train_loss": 1.0})
+    logger.summary({"status": "completed"})
+    logger.close()
+
+
+def _warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
+def test_every_wandb_call_failing_warns_once_and_redacted(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    key = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+
+    class BrokenRun:
+        def log(self, *args, **kwargs):
+            raise RuntimeError(f"401: bad key {key}")
+
+        @property
+        def summary(self):
+            raise RuntimeError("down")
+
+        def finish(self, *args, **kwargs):
+            raise RuntimeError("down")
+
+    monkeypatch.setattr(wandb, "init", lambda *args, **kwargs: BrokenRun())
+    _short_run(RunLogger(LoggerConfig(), run_dir=tmp_path, run_name="r", config={}, active=True))
+    (warning,) = _warnings(capsys.readouterr().err)
+    assert warning.startswith("warning: W&B log failed") and key not in warning and "<redacted>" in warning
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+
+
+@pytest.fixture
+def wandb_online(tmp_path, monkeypatch):
+    """W&B in online mode against a local port nothing listens on, with no credentials but
+    the ones a test sets (HOME is the test's: no ~/.netrc, no W&B settings file)."""
+    import wandb
+
+    with socket.socket() as sock:  # a port that was free a moment ago: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "NETRC", "WANDB_CONFIG_DIR", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    wandb.teardown()  # W&B reads the environment once per process: start from this one
+    (tmp_path / "run").mkdir()
+    yield tmp_path / "run"
+    wandb.teardown()  # and stop its service process
+
+
+def test_an_unreachable_wandb_server_costs_at_most_the_init_timeout(wandb_online, monkeypatch, capsys):
+    key = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    start = time.perf_counter()
+    logger = RunLogger(
+        LoggerConfig(mode="online", init_timeout_s=3), run_dir=wandb_online, run_name="r", config={}, active=True
+    )
+    assert time.perf_counter() - start < 15
+    _short_run(logger)
+    err = capsys.readouterr().err
+    (warning,) = _warnings(err)
+    assert warning.startswith("warning: W&B start failed") and key not in err
+    assert (wandb_online / "metrics.jsonl").read_text().count("\n") == 2
+    assert json.loads((wandb_online / "summary.json").read_text())["status"] == "completed"
+
+
+def test_online_without_an_api_key_continues_without_wandb(wandb_online, capsys):
+    start = time.perf_counter()
+    logger = RunLogger(LoggerConfig(mode="online"), run_dir=wandb_online, run_name="r", config={}, active=True)
+    assert time.perf_counter() - start < 15
+    _short_run(logger)
+    (warning,) = _warnings(capsys.readouterr().err)
+    assert warning.startswith("warning: W&B start failed") and "API key" in warning
+    assert json.loads((wandb_online / "summary.json").read_text())["status"] == "completed"
+
+
+def test_online_without_an_api_key_never_waits_for_a_prompt_on_a_terminal(wandb_online):
+    """On a terminal `wandb.init` would ask for an API key and wait: the run must not."""
+    script = (
+        "from pathlib import Path; from sdp.metrics.logger import LoggerConfig, RunLogger; "
+        "RunLogger(LoggerConfig(mode='online'), run_dir=Path('.'), run_name='r', config={}, active=True).close()"
+    )
+    controller, terminal = os.openpty()
+    os.set_blocking(controller, False)  # a read finds what was written, never waits
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=wandb_online, stdin=terminal, stderr=terminal, timeout=30
+        )
+        output = os.read(controller, 65536).decode(errors="replace")
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert proc.returncode == 0 and "no API key" in output

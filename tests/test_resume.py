@@ -66,7 +66,7 @@ def test_resume_checks_name_what_is_wrong(tmp_path):
         check_resume(tmp_path, config, world_size=2)
     _fake_checkpoint(tmp_path, step=4, config=config)
     _fake_checkpoint(tmp_path, step=6, config=config, complete=False)  # a launch died while writing it
-    assert check_resume(tmp_path, config, world_size=2).step == 4
+    assert [c.step for c in check_resume(tmp_path, config, world_size=2).candidates] == [4]
     changed = {**config, "trainer": {"max_steps": 6, "lr": 2e-3}}
     with pytest.raises(ConfigError) as info:
         check_resume(tmp_path, changed, world_size=2)

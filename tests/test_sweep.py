@@ -59,6 +59,17 @@ def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path):
     assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["skipped", "skipped"]
 
 
+@pytest.mark.dist
+def test_a_failed_job_is_marked_and_the_others_complete(tmp_path):
+    # The second job diverges at step 2 (NaN loss): it fails alone, with its reason.
+    argv = [*BASE, "optim.lr=1e30,2e-3", "optim.warmup_steps=0", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
+    assert run_sweep(argv) == 1
+    jobs = json.loads((tmp_path / "sweep.json").read_text())
+    assert [j["status"] for j in jobs] == ["failed", "completed"]
+    assert jobs[0]["exit_code"] != 0 and "step 2: non-finite loss or gradient" in jobs[0]["error"]
+    assert jobs[1]["exit_code"] == 0 and jobs[1]["error"] is None
+
+
 def test_the_entrypoint_takes_minus_m_as_a_sweep(tmp_path):
     from sdp.train import main
 

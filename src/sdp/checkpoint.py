@@ -1,10 +1,13 @@
 """Resumable runs: per-rank checkpoints in the run dir, and the checks before a resume.
 
 Layout: `RUN_DIR/checkpoints/step_00000120/` holds one `rank00003.pt` per rank
-that owns distinct state, and `meta.json`, written by rank 0 last, after every
-rank has written its file: a step dir without `meta.json` is incomplete and
-ignored. Older complete checkpoints are removed once a newer one is complete
-(`trainer.keep_checkpoints`).
+that owns distinct state, and `meta.json`, with a manifest of those files (size
+and SHA-256). A checkpoint is written into `step_N.partial/`: every rank writes
+and fsyncs its file, rank 0 writes `meta.json` once every rank has succeeded and
+renames the directory to `step_N/`, so a complete-looking checkpoint is always
+a complete one. A failed write (a full disk) removes the partial directory and
+keeps the checkpoints before it. Older complete checkpoints are removed once a
+newer one is complete (`trainer.keep_checkpoints`).
 
 Each rank saves what it holds, as plain local tensors: its model tensors (its
 FSDP shards, its SDP subnetwork's held slices), its optimizer state, the lr
@@ -13,12 +16,21 @@ follow from the step. A resume therefore needs the same config and world size
 (checked before any process group starts) and restores every tensor in place,
 so the resumed run continues bit for bit. Under DDP every rank holds the same
 state: rank 0 alone writes it and every rank reads that file.
+
+Before loading, the ranks check the newest checkpoint's files against its
+manifest (each rank a share of the files); a damaged one is skipped, with a
+warning, for the one before it. Files are loaded with `weights_only=True`:
+loading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +58,24 @@ def _step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step_{step:08d}"
 
 
-def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """The run dir's complete checkpoints (those with meta.json), oldest first."""
+STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+def complete_checkpoints(run_dir: Path, problems: list[str] | None = None) -> list[Checkpoint]:
+    """The run dir's complete checkpoints (a `step_N/` dir with a readable meta.json), oldest
+    first. An unreadable meta.json is skipped and described in `problems` (when given)."""
     root = run_dir / CHECKPOINTS
     out = []
-    for d in sorted(root.glob("step_*")) if root.is_dir() else []:
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
         meta = d / "meta.json"
-        if d.is_dir() and meta.is_file():
+        if not (STEP_DIR.fullmatch(d.name) and d.is_dir() and meta.is_file()):
+            continue  # a partial checkpoint (step_N.partial) or something else
+        try:
             info = json.loads(meta.read_text())
             out.append(Checkpoint(int(info["step"]), d, info))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            if problems is not None:
+                problems.append(f"{d.name}/meta.json is unreadable ({type(err).__name__}: {err})")
     return sorted(out, key=lambda c: c.step)
 
 
@@ -76,34 +97,103 @@ def first_difference(a, b, prefix: str = "") -> str | None:
     return None if a == b else f"{prefix.rstrip('.')}: {a!r} -> {b!r}"
 
 
-def check_resume(run_dir: Path, config: dict, *, world_size: int) -> Checkpoint | None:
-    """Before any process group starts: the checkpoint this launch resumes from (None: a new
-    run), or one ConfigError when the run dir cannot be started or resumed with this config."""
+@dataclass(frozen=True)
+class Resume:
+    """What a launch resumes from: the run dir's complete checkpoints, newest first (the
+    ranks pick the newest intact one once the process group is up, `choose_checkpoint`),
+    and the damaged meta.json files met on the way."""
+
+    candidates: list[Checkpoint]
+    problems: list[str]
+
+
+def check_resume(run_dir: Path, config: dict, *, world_size: int, restarted: bool = False) -> Resume | None:
+    """Before any process group starts: the checkpoints this launch may resume from (None: a
+    new run), or one ConfigError when the run dir cannot be started or resumed with this config.
+
+    `restarted`: this launch is a torchrun restart of the job that made the run dir; if that
+    job died before its first checkpoint, it starts again from step 0 (no candidates)."""
     summary = run_dir / "summary.json"
-    if summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
+    try:
+        status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    except ValueError:
+        status = None  # a damaged summary is rewritten by the resumed run
+    if status == "completed":
         raise ConfigError("run_dir", str(run_dir), "holds a completed run; choose a new run_dir")
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
+    problems: list[str] = []
+    found = complete_checkpoints(run_dir, problems)
+    if not found:
+        if restarted and not problems:
+            return Resume(candidates=[], problems=[])
         if (run_dir / "metrics.jsonl").exists():
+            damaged = f" ({'; '.join(problems)})" if problems else ""
             raise ConfigError(
                 "run_dir",
                 str(run_dir),
-                "holds a run without a complete checkpoint to resume from; choose a new run_dir",
+                f"holds a run without a complete checkpoint to resume from{damaged}; choose a new run_dir",
             )
         return None
-    diff = first_difference(ckpt.meta["config"], config)
+    newest = found[-1]
+    diff = first_difference(newest.meta.get("config"), config)
     if diff:
         raise ConfigError(
             "run_dir", str(run_dir), f"holds a run with another config ({diff}); resume with the same settings"
         )
-    if ckpt.meta["world_size"] != world_size:
+    if newest.meta.get("world_size") != world_size:
         raise ConfigError(
             "run_dir",
             str(run_dir),
-            f"was checkpointed with {ckpt.meta['world_size']} processes, this launch has {world_size}; "
+            f"was checkpointed with {newest.meta.get('world_size')} processes, this launch has {world_size}; "
             "resume with the same --nproc_per_node x nodes",
         )
-    return ckpt
+
+    # Older checkpoints of the same run are fallbacks only if they agree as well.
+    def agrees(c: Checkpoint) -> bool:
+        return c.meta.get("world_size") == world_size and not first_difference(c.meta.get("config"), config)
+
+    return Resume(candidates=[c for c in reversed(found) if agrees(c)], problems=problems)
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def damage(ckpt: Checkpoint, names: list[str]) -> list[str]:
+    """What is wrong with these files of `ckpt` against its manifest ([] when they are intact)."""
+    manifest, out = ckpt.meta.get("files") or {}, []
+    for name in names:
+        path, want = ckpt.path / name, manifest.get(name)
+        if want is None:
+            out.append(f"{ckpt.path.name}/{name} is not in its manifest")
+        elif not path.is_file():
+            out.append(f"{ckpt.path.name}/{name} is missing")
+        elif path.stat().st_size != want["bytes"]:
+            out.append(f"{ckpt.path.name}/{name} has {path.stat().st_size} bytes, its manifest says {want['bytes']}")
+        elif file_digest(path) != want["sha256"]:
+            out.append(f"{ckpt.path.name}/{name} does not match its SHA-256 checksum")
+    return out
+
+
+def choose_checkpoint(resume: Resume, *, world: dist.World) -> tuple[Checkpoint | None, list[str]]:
+    """Collective: the newest candidate whose files are all intact, and what was wrong with the
+    ones skipped. Each rank checks every world_size-th file of the manifest, so the ranks read
+    the checkpoint once between them."""
+    problems = list(resume.problems)
+    for ckpt in resume.candidates:
+        names = sorted(ckpt.meta.get("files") or {})
+        if not names:  # every rank reads the same meta.json: no collective needed to agree
+            problems.append(f"{ckpt.path.name}/meta.json has no file manifest")
+            continue
+        found = [p for ps in dist.gather_objects(damage(ckpt, names[world.rank :: world.world_size])) for p in ps]
+        if not found:
+            return ckpt, problems
+        problems.extend(found)
+    return None, problems
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -141,8 +231,36 @@ def _to_local(obj):
     return obj
 
 
+def _finite(t: torch.Tensor) -> bool:
+    t = local(t)
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
 def _file(path: Path, rank: int) -> Path:
     return path / f"rank{rank:05d}.pt"
+
+
+def _write(obj, path: Path) -> dict:
+    """torch.save `obj` to `path`, flushed to the disk; returns its manifest entry."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return f"the disk is full ({err})"
+    return f"{type(err).__name__}: {err}"
 
 
 def save_checkpoint(
@@ -158,34 +276,70 @@ def save_checkpoint(
     keep: int,
     measured: dict | None = None,
     extra_meta: dict | None = None,
-) -> Path:
+) -> Path | None:
     """Write this rank's part of the checkpoint of `step` (collective: every rank calls it);
-    `measured` is this rank's memory/FLOP measurements so far, which a resumed run keeps."""
+    `measured` is this rank's memory/FLOP measurements so far, which a resumed run keeps.
+
+    Returns the checkpoint's directory, or None when a rank could not write its part (a full
+    disk, say): then the partial directory is removed, the checkpoints before it are kept,
+    rank 0 prints one warning naming the rank and the error, and training goes on."""
     final = _step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".partial")
+    error = None
     if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    if world.is_main or not strategy.replicated_state:
-        state = {
-            "step": step,
-            "model": _to_local(strategy.model.state_dict()),
-            "optimizer": _to_local(optimizer.state_dict()),
-            "scheduler": scheduler.state_dict(),
-            "rng": _rng_state(device),
-            "measured": measured,
-        }
-        torch.save(state, _file(tmp, world.rank))
-    if strategy.replicated_state and not world.is_main:
-        # Replicated state, but not replicated RNG streams or measurements: each rank keeps its own.
-        torch.save({"rng": _rng_state(device), "measured": measured}, _file(tmp, world.rank))
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            error = f"rank 0: {_describe(err)}"
+    error = dist.broadcast_object(error)
+    entries: dict[str, dict] = {}
+    if error is None:
+        try:
+            if world.is_main or not strategy.replicated_state:
+                diverged = [n for n, t in strategy.model.state_dict().items() if not _finite(t)]
+                if diverged:
+                    raise ValueError(f"{diverged[0]} is not finite: a diverged state is not saved")
+                state = {
+                    "step": step,
+                    "model": _to_local(strategy.model.state_dict()),
+                    "optimizer": _to_local(optimizer.state_dict()),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": _rng_state(device),
+                    "measured": measured,
+                }
+            else:  # replicated state, but not replicated RNG streams or measurements
+                state = {"rng": _rng_state(device), "measured": measured}
+            entries[_file(tmp, world.rank).name] = _write(state, _file(tmp, world.rank))
+        except Exception as err:  # noqa: BLE001 - reported to every rank below, then training goes on
+            error = f"rank {world.rank}: {_describe(err)}"
+    parts = dist.gather_objects((entries, error))
+    errors = [e for _, e in parts if e]
+    if world.is_main and not errors:
+        try:
+            files = {name: entry for part, _ in parts for name, entry in part.items()}
+            meta = {"step": step, "world_size": world.world_size, "config": config, "files": files}
+            write_json_atomic(tmp / "meta.json", {**meta, **(extra_meta or {})})
+            _fsync_dir(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            _fsync_dir(final.parent)
+        except OSError as err:
+            errors.append(f"rank 0: {_describe(err)}")
+    errors = dist.broadcast_object(errors)
+    if errors:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = [c.path.name for c in complete_checkpoints(run_dir)]
+            dist.warn0(
+                world,
+                f"checkpoint of step {step} not written ({'; '.join(errors)}); "
+                f"kept {', '.join(kept) or 'no earlier checkpoint'} in {run_dir / CHECKPOINTS}; "
+                "training goes on and tries again at the next checkpoint",
+            )
+        dist.barrier()
+        return None
     if world.is_main:
-        meta = {"step": step, "world_size": world.world_size, "config": config, **(extra_meta or {})}
-        write_json_atomic(tmp / "meta.json", meta)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old.path, ignore_errors=True)
     dist.barrier()
@@ -208,7 +362,14 @@ def load_checkpoint(
         missing = sorted(set(tensors) ^ set(state["model"]))[:3]
         raise RuntimeError(f"checkpoint {ckpt.path} does not match this rank's model (e.g. {missing})")
     for name, t in tensors.items():
-        local(t).copy_(state["model"][name])
+        saved = state["model"][name]
+        if saved.shape != local(t).shape or saved.dtype != local(t).dtype:
+            raise RuntimeError(
+                f"checkpoint {ckpt.path}: {name} is {tuple(saved.shape)} {saved.dtype} there and "
+                f"{tuple(local(t).shape)} {local(t).dtype} in this run's model; a run resumes only "
+                "with the model, masking and parallelism it was checkpointed with"
+            )
+        local(t).copy_(saved)
     optimizer.load_state_dict(state["optimizer"])
     _shard_optimizer_state(optimizer)
     scheduler.load_state_dict(state["scheduler"])

@@ -81,11 +81,23 @@ def _free_port() -> int:
 
 
 def init_process_group(world: World, *, backend: str) -> None:
-    """Join the job's process group; a single process outside torchrun gets a group of one."""
+    """Join the job's process group; a single process outside torchrun gets a group of one.
+
+    Under torchrun every attempt of a job (--max-restarts) meets in the agent's store, which
+    outlives the attempts; its keys are prefixed with the attempt, or a restarted rank can
+    read the address a dead rank of the attempt before published and fail to connect (seen
+    with gloo in 2 of 5 restarts, and one hang)."""
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+        return
+    store, rank, size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size))
+    dist.init_process_group(
+        backend=backend, store=dist.PrefixStore(f"sdp/attempt_{attempt}", store), rank=rank, world_size=size
+    )
 
 
 def destroy_process_group() -> None:
@@ -117,8 +129,21 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def rank() -> int:
+    return dist.get_rank()
+
+
 def world_size() -> int:
     return dist.get_world_size()
+
+
+def warn0(world: World, message: str) -> None:
+    """Rank 0 prints `warning: message` as one line on stderr, clear of the progress bar."""
+    if world.is_main:
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: {message}", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def print0(world: World, *args, file=sys.stdout) -> None:

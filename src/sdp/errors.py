@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from sdp.redact import REDACTED, is_secret_name, redact_text
+
 
 class ConfigError(ValueError):
     """A bad configuration value.
 
     The message always names the offending key, the value given and what is
-    allowed, so that `train.py` can print it as a single line and exit.
+    allowed, so that `train.py` can print it as a single line and exit. A value
+    under a secret-named key, or one holding a secret of the environment, is
+    shown as `<redacted>` (see `sdp.redact`).
     """
 
     def __init__(self, key: str, value: object, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r}: {allowed}")
+        shown = REDACTED if is_secret_name(key) and value not in (None, "") else repr(value)
+        super().__init__(redact_text(f"{key}={shown}: {allowed}"))

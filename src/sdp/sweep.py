@@ -12,7 +12,8 @@ into the cross product of jobs, in Hydra's order. Every job is a full
   and resumes stopped or failed ones from their checkpoints; a failed job
   without a checkpoint is reported (its run dir is kept for inspection) and
   runs again once that dir is removed;
-- `SWEEP_DIR/sweep.json` lists every job, its overrides, run dir and status.
+- `SWEEP_DIR/sweep.json` lists every job, its overrides, run dir and status
+  (overrides and errors redacted there and on the console: `sdp.redact`).
 
 Options, given as `sweep.KEY=VALUE` among the overrides:
 `sweep.nproc` (processes per node and job; default: the visible GPUs, else 1),
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from sdp.errors import ConfigError
+from sdp.redact import redact, redact_text
 
 SWEEP_KEYS = ("nproc", "dir", "dry_run", "launcher", "nodes", "partition", "timeout_min", "cpus_per_task", "wait")
 LAUNCHERS = ("torchrun", "slurm", "submitit_local")
@@ -58,6 +60,7 @@ class Job:
     error: str | None = None
     wall_s: float | None = None
     cluster_id: str | None = None  # the Slurm (or local submitit) job id
+    exit_code: int | None = None  # torchrun's, for a job launched here
 
 
 def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -97,13 +100,21 @@ def job_dir(root: Path, index: int, job: list[str], swept: set[str]) -> Path:
     return root / f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)[:120]}"
 
 
+def _summary(run_dir: Path) -> dict:
+    """The run's summary.json ({} when it has none or it cannot be read)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _status(run_dir: Path) -> str | None:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()).get("status") if path.is_file() else None
+    return _summary(run_dir).get("status")
 
 
-def plan(overrides: list[str], *, root: Path, nproc: int) -> list[Job]:
-    """Every job with its run dir, checked before anything runs (a refused job is `invalid`)."""
+def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0) -> list[Job]:
+    """Every job with its run dir, checked before anything runs (a refused job is `invalid`);
+    numbered from `start` (to append the jobs of another sweep to a plan)."""
     from sdp import dist
     from sdp.config import load_config
     from sdp.train import check_run_dir
@@ -111,7 +122,7 @@ def plan(overrides: list[str], *, root: Path, nproc: int) -> list[Job]:
     jobs = expand(overrides)
     swept = {o.split("=", 1)[0] for o in overrides if "," in o or "(" in o}
     out = []
-    for i, job in enumerate(jobs):
+    for i, job in enumerate(jobs, start):
         run_dir = job_dir(root, i, job, swept)
         status, error = "planned", None
         if _status(run_dir) == "completed":
@@ -173,8 +184,6 @@ def _executor(launcher: str, options: dict[str, str], *, root: Path, nproc: int,
 def run_sweep(argv: list[str]) -> int:
     """Plan, check and run a sweep; 0 when every valid job completed, 1 when one failed,
     2 when no job could run."""
-    from sdp.compare import launch
-
     try:
         options, overrides = split_options(argv)
         nproc = int(options.get("nproc", torch.cuda.device_count() or 1))
@@ -187,27 +196,43 @@ def run_sweep(argv: list[str]) -> int:
         root = Path(options.get("dir") or f"outputs/sweeps/{time.strftime('%Y%m%d-%H%M%S')}")
         jobs = plan(overrides, root=root, nproc=nproc * nodes)
     except (ConfigError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(redact_text(f"error: {err}"), file=sys.stderr)
         return 2
+    return execute(jobs, root=root, nproc=nproc, nodes=nodes, launcher=launcher, options=options)
+
+
+def execute(
+    jobs: list[Job], *, root: Path, nproc: int, nodes: int = 1, launcher: str = "torchrun", options=None
+) -> int:
+    """Run the planned jobs one after another (torchrun) or through submitit, a failure not
+    stopping the others, recording each in ROOT/sweep.json; 0 when every valid job completed,
+    1 when one failed, 2 when no job could run."""
+    from sdp.compare import launch
+
+    options = options or {}
     root.mkdir(parents=True, exist_ok=True)
 
     def record() -> None:
-        (root / "sweep.json").write_text(json.dumps([asdict(j) for j in jobs], indent=2) + "\n")
+        (root / "sweep.json").write_text(json.dumps(redact([asdict(j) for j in jobs]), indent=2) + "\n")
 
     print(f"sweep: {len(jobs)} jobs x {nodes * nproc} processes ({launcher}) -> {root}", flush=True)
     for job in jobs:
         note = f"  ({job.error})" if job.error else ""
-        print(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}", flush=True)
+        print(redact_text(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}"), flush=True)
     record()
     runnable = [j for j in jobs if j.status == "planned"]
     if _truthy(options.get("dry_run"), False):
         return 0 if runnable or any(j.status == "skipped" for j in jobs) else 2
     if launcher == "torchrun":
         for job in runnable:
-            rc, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
-            status = _status(Path(job.run_dir))
-            job.status = status if rc == 0 and status in ("completed", "stopped") else "failed"
-            print(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}", flush=True)
+            job.exit_code, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
+            summary = _summary(Path(job.run_dir))
+            ok = job.exit_code == 0 and summary.get("status") in ("completed", "stopped")
+            job.status = summary["status"] if ok else "failed"
+            if not ok:
+                job.error = summary.get("error") or f"torchrun exited with code {job.exit_code}"
+            note = "" if ok else f" (exit code {job.exit_code}: {job.error})"
+            print(redact_text(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}{note}"), flush=True)
             record()
     else:
         executor = _executor(launcher, options, root=root, nproc=nproc, nodes=nodes)

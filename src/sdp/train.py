@@ -5,6 +5,7 @@ compose config -> validate (before any process group) -> build -> train -> close
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -18,21 +19,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist
 from sdp.baselines import BASELINES, apply_unit_noise
-from sdp.checkpoint import Checkpoint, check_resume, load_checkpoint, save_checkpoint, truncate_metrics
+from sdp.checkpoint import (
+    Checkpoint,
+    Resume,
+    check_resume,
+    choose_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_metrics,
+)
 from sdp.config import RunConfig, load_config
 from sdp.data import build_data, prepare_data
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.logger import RunLogger
+from sdp.metrics.logger import RunLogger, write_json_atomic
 from sdp.models import build_model
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.fsdp import FSDPStrategy
 from sdp.parallel.sharded import ShardedSDPStrategy
+from sdp.redact import redact, redact_text, redact_yaml
 from sdp.subnet import is_sdp
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import micro_batch_size, train
+from sdp.trainer import Diverged, micro_batch_size, train
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -58,12 +68,15 @@ RESUME_MAY_CHANGE = (
     "trainer.stop_at_step",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
+    "trainer.on_nonfinite",
+    "trainer.max_nonfinite_skips",
 )
 
 
 def resume_config(raw: DictConfig) -> dict:
-    """The resolved config as a resume compares it with the checkpoint's."""
-    config = OmegaConf.to_container(raw, resolve=True)
+    """The resolved config as a resume compares it with the checkpoint's (secrets redacted:
+    it is written into every checkpoint's meta.json)."""
+    config = redact(OmegaConf.to_container(raw, resolve=True))
     for dotted in RESUME_MAY_CHANGE:
         *path, last = dotted.split(".")
         node = config
@@ -73,13 +86,55 @@ def resume_config(raw: DictConfig) -> dict:
     return config
 
 
-def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Checkpoint | None:
-    """Before any process group: the checkpoint to resume from when run_dir holds one (and the
-    config matches), None for a new run; a completed run, or one that cannot be resumed, is
-    refused with one error and nothing written so far is touched."""
+def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume | None:
+    """Before any process group: the checkpoints to resume from when run_dir holds some (and
+    the config matches), None for a new run; a completed run, or one that cannot be resumed,
+    is refused with one error and nothing written so far is touched.
+
+    A torchrun restart (--max-restarts) of a launch without run_dir finds the run dir its
+    first attempt created by the job's rendezvous id (launch.json)."""
     if not cfg.run_dir:
+        cfg.run_dir = elastic_run_dir(cfg)
+        if not cfg.run_dir:
+            return None
+    run_dir = Path(cfg.run_dir)
+    return check_resume(run_dir, resume_config(raw), world_size=world_size, restarted=restarted_job(run_dir))
+
+
+LAUNCH_RECORD = "launch.json"
+
+
+def elastic_run_id() -> str | None:
+    """The torchrun job's rendezvous id, the same in every attempt of a job; None outside
+    torchrun or under the default id 'none', which many jobs share."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
+
+
+def restarted_job(run_dir: Path) -> bool:
+    """Whether this launch is a torchrun restart of the job that created `run_dir`."""
+    run_id = elastic_run_id()
+    if not run_id or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return False
+    try:
+        return json.loads((run_dir / LAUNCH_RECORD).read_text()).get("torchelastic_run_id") == run_id
+    except (OSError, ValueError):
+        return False
+
+
+def elastic_run_dir(cfg: RunConfig) -> str | None:
+    """On a torchrun restart: the run dir under output_root that this job's first attempt made."""
+    run_id = elastic_run_id()
+    if not run_id or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
-    return check_resume(Path(cfg.run_dir), resume_config(raw), world_size=world_size)
+    root = Path(cfg.output_root)
+    for record in sorted(root.glob(f"*/{LAUNCH_RECORD}"), reverse=True) if root.is_dir() else []:
+        try:
+            if json.loads(record.read_text()).get("torchelastic_run_id") == run_id:
+                return str(record.parent)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class StopSignals:
@@ -170,13 +225,28 @@ def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World,
     return data.train
 
 
-def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint | None = None) -> dict:
-    """Train one configured run on this rank, from the start or from `resume`; rank 0 writes the run dir."""
+def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint | None:
+    """Collective: the newest intact checkpoint of `resume`; a damaged one is skipped with a
+    warning, and a run dir with none intact is refused."""
+    if resume is None or not (resume.candidates or resume.problems):
+        return None  # a new run, or a restart that died before its first checkpoint
+    ckpt, problems = choose_checkpoint(resume, world=world)
+    if ckpt is None:
+        raise RuntimeError(
+            f"run_dir holds no intact checkpoint to resume from ({'; '.join(problems)}); "
+            "restore the files, or start the run again in a new run_dir"
+        )
+    for problem in problems:
+        dist.warn0(world, f"damaged checkpoint skipped: {problem}")
+    if problems:
+        dist.warn0(world, f"resuming from the previous checkpoint, {ckpt.path.name}")
+    return ckpt
+
+
+def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> dict:
+    """Train one configured run on this rank, from the start or from the newest intact
+    checkpoint of `resume`; rank 0 writes the run dir."""
     device = dist.select_device(cfg.trainer.device, world)
-    start_step = resume.step if resume else 0
-    every = cfg.masking.resample_every
-    # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
-    mask_epoch = start_step // every if every else 0
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend)
     logger = None
@@ -195,12 +265,19 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
         "seed": cfg.seed,
     }
     try:
+        ckpt = pick_checkpoint(resume, world=world)
+        start_step = ckpt.step if ckpt else 0
+        every = cfg.masking.resample_every
+        # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
+        mask_epoch = start_step // every if every else 0
         run_dir = Path(dist.broadcast_object(str(choose_run_dir(cfg)) if world.is_main else None))
         summary["run_dir"] = str(run_dir)
         if world.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(raw))
-            if resume:  # records of steps after the checkpoint are written again
+            (run_dir / "config.yaml").write_text(redact_yaml(raw))
+            if elastic_run_id():  # a torchrun restart without run_dir finds this dir by it
+                write_json_atomic(run_dir / LAUNCH_RECORD, {"torchelastic_run_id": elastic_run_id()})
+            if resume is not None:  # records of steps after the checkpoint are written again
                 truncate_metrics(run_dir, start_step)
         logger = RunLogger(
             cfg.logger,
@@ -208,7 +285,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
             run_name=run_name(cfg),
             active=world.is_main,
             config=OmegaConf.to_container(raw, resolve=True),
-            resume_id=resume.meta.get("wandb_id") if resume else None,
+            resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
         )
         if world.is_main:
             prepare_data(cfg.dataset)
@@ -234,11 +311,11 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
         measured = None
-        if resume:
+        if ckpt:
             measured = load_checkpoint(
-                resume, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
+                ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
             )
-            dist.print0(world, f"resumed from {resume.path} (step {start_step})")
+            dist.print0(world, f"resumed from {ckpt.path} (step {start_step})")
         summary["throughput_unit"] = "tokens/s" if data.kind == "text" else "samples/s"
         evals_done = start_step // cfg.trainer.eval_every if cfg.trainer.eval_every else 0
         calibration = calibration_stream(
@@ -246,8 +323,8 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
         )
         config = resume_config(raw)
 
-        def checkpoint(step: int, measured_so_far: dict) -> None:
-            save_checkpoint(
+        def checkpoint(step: int, measured_so_far: dict) -> Path | None:
+            return save_checkpoint(
                 run_dir,
                 step=step,
                 strategy=strategy,
@@ -281,6 +358,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Checkpoint |
                 calibration=calibration,
                 calibration_batches=cfg.masking.bn_recalibration_batches,
                 model_path=run_dir / "model.pt",
+                run_dir=run_dir,
                 precision=cfg.parallelism.mixed_precision,
                 start_step=start_step,
                 measured=measured,
@@ -325,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
             # the first rank exits, so the others leave after rank 0 has had time to print.
             time.sleep(2)
         return 2
-    summary = run(raw, cfg, world, resume=resume)
+    try:
+        summary = run(raw, cfg, world, resume=resume)
+    except Diverged as err:  # diagnosed and recorded in summary.json: one line, no traceback
+        dist.print0(world, redact_text(f"error: {err}"), file=sys.stderr)
+        return 3
     if world.is_main:
         print_result(summary)
     return 0

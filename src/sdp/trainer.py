@@ -19,11 +19,12 @@ from sdp.data import DataBundle
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter, peak_flops
-from sdp.metrics.logger import RunLogger
-from sdp.metrics.memory import LivePeak, cuda_peaks
+from sdp.metrics.logger import RunLogger, write_json_atomic
+from sdp.metrics.memory import LivePeak, cuda_peaks, local
 from sdp.parallel import Strategy
 
 PROTOCOLS = ("same_iteration", "flop_matched")
+ON_NONFINITE = ("stop", "skip", "off")
 
 
 @dataclass
@@ -47,12 +48,18 @@ class TrainerConfig:
     # Resumable runs: a checkpoint every N steps in RUN_DIR/checkpoints (0: none), keeping
     # the newest `keep_checkpoints`; the same command with the same run_dir resumes.
     checkpoint_every: int = 500
-    keep_checkpoints: int = 1
+    keep_checkpoints: int = 2  # >= 2: a damaged newest checkpoint falls back to the one before
     # End this launch after this step, with a checkpoint, as a preemption would (0: never).
     stop_at_step: int = 0
     # same_iteration: every variant takes max_steps steps. flop_matched (the paper's): an SDP
     # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
     protocol: str = "same_iteration"
+    # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
+    # before the update): stop (write nonfinite_step_N.json and fail, keeping the last good
+    # checkpoint), skip (drop the update; stop after max_nonfinite_skips such steps) or off
+    # (no check: saves one host sync and a scalar all-reduce per step).
+    on_nonfinite: str = "stop"
+    max_nonfinite_skips: int = 10
 
 
 def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
@@ -65,6 +72,10 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
     if cfg.protocol not in PROTOCOLS:
         raise ConfigError("trainer.protocol", cfg.protocol, f"allowed: {', '.join(PROTOCOLS)}")
+    if cfg.on_nonfinite not in ON_NONFINITE:
+        raise ConfigError("trainer.on_nonfinite", cfg.on_nonfinite, f"allowed: {', '.join(ON_NONFINITE)}")
+    if cfg.max_nonfinite_skips < 0:
+        raise ConfigError("trainer.max_nonfinite_skips", cfg.max_nonfinite_skips, "must be >= 0")
     if cfg.keep_checkpoints < 1:
         raise ConfigError("trainer.keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     if cfg.profile_step < 0:
@@ -223,13 +234,67 @@ def train_step(
         step_loss += loss.detach() / cfg.grad_accum_steps
     with timer("sync"):
         strategy.after_backward()
-        if cfg.grad_clip > 0:
-            strategy.clip_grad_norm_(cfg.grad_clip)
+        norm = strategy.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else None
+        if cfg.on_nonfinite != "off":
+            check_finite(strategy, step_loss, norm)
     with timer("optimizer"):
         optimizer.step()
     with timer("sync"):
         strategy.after_step()
     return step_loss
+
+
+class NonFiniteStep(RuntimeError):
+    """A step whose loss or gradients are NaN/Inf on some rank; raised on every rank, before
+    the update (the parameters and optimizer state are still those of the step before)."""
+
+    def __init__(self, diagnostic: dict):
+        self.diagnostic = diagnostic
+        ranks = diagnostic["ranks"]
+        what = [
+            f"rank {r['rank']}: loss {r['loss']}"
+            + (f", non-finite gradients in {', '.join(r['nonfinite_grads'])}" if r["nonfinite_grads"] else "")
+            for r in ranks
+            if r["nonfinite_loss"] or r["nonfinite_grads"]
+        ]
+        norm = diagnostic["grad_norm"]
+        super().__init__(f"non-finite loss or gradient ({'; '.join(what)}; gradient norm {norm})")
+
+
+class Diverged(RuntimeError):
+    """The run stopped on a NaN/Inf step (trainer.on_nonfinite): a diagnosed failure, reported
+    as one line, not a traceback."""
+
+
+def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
+    """Collective: raise NonFiniteStep on every rank when any rank's loss or gradients are not
+    finite. `norm` is the global gradient norm when clipping computed it (every rank has it),
+    else each rank checks its own gradients. One scalar all-reduce and one host sync."""
+    if norm is not None:
+        grads_ok = torch.isfinite(norm.float())
+    else:
+        grads = [local(p.grad) for p in strategy.trainable() if p.grad is not None]
+        grads_ok = torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else torch.tensor(True)
+    flags = torch.stack([~torch.isfinite(loss), ~grads_ok.to(loss.device)]).float()
+    if dist.all_reduce_(flags, op="max").sum().item() == 0:
+        return
+    # The slow path, once: which ranks, which tensors.
+    bad = [
+        name
+        for name, p in strategy.model.named_parameters()
+        if p.grad is not None and not torch.isfinite(local(p.grad)).all()
+    ]
+    mine = {
+        "rank": dist.rank(),
+        "loss": float(loss),
+        "nonfinite_loss": not bool(torch.isfinite(loss)),
+        "nonfinite_grads": bad[:5] + ([f"... {len(bad) - 5} more"] if len(bad) > 5 else []),
+    }
+    diagnostic = {
+        "ranks": dist.gather_objects(mine),
+        "grad_norm": None if norm is None else float(norm),
+    }
+    raise NonFiniteStep(diagnostic)
 
 
 def count_flops(run_step) -> tuple[torch.Tensor, int]:
@@ -281,6 +346,7 @@ def train(
     calibration: Iterator[dict] | None = None,
     calibration_batches: int = 0,
     model_path: Path | None = None,
+    run_dir: Path | None = None,
     precision: str = "fp32",
     start_step: int = 0,
     measured: dict | None = None,
@@ -313,7 +379,8 @@ def train(
     memory, measure_memory, last = measured.get("memory", {}), True, {}
     peak, flops = measured.get("peak"), measured.get("flops")
     flop_step, peak_step = profile_steps(cfg)
-    stopped_at = None
+    stopped_at, checkpoint_failures, written, last_checkpoint = None, 0, True, start_step or None
+    checkpoints_written, checkpoint_time = 0, 0.0
     evals: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -321,73 +388,98 @@ def train(
     def run_step() -> torch.Tensor:
         return train_step(strategy, optimizer, data.train, cfg=cfg, micro=micro, device=device, timer=timer)
 
-    bar.update(start_step)
-    for step in range(start_step + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        profiling = step in (flop_step, peak_step)
-        saved = dict(timer.totals)
-        if step == flop_step:
-            loss, flops = count_flops(run_step)
-        elif step == peak_step:
-            loss, peak = measure_peak(strategy, optimizer, run_step)
-        else:
-            loss = run_step()
-        if profiling:  # excluded from the timings: the counters slow the step down
-            timer.totals = saved
-        window_loss += loss
-        lr = scheduler.get_last_lr()[0]  # the lr this step used
-        scheduler.step()
-        resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
-        if resampled:
-            strategy.model.train()
-        comm.end_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if not profiling:
-            train_time += time.perf_counter() - t0
-            timed_steps += 1
-        window_steps += 1
-        if measure_memory:  # gradients and optimizer state exist from the first step on
-            memory = _elementwise_max(memory, strategy.memory(optimizer))
-        measure_memory = resampled  # a new subnetwork: measure it after its first step
-        bar.update(1)
-        stopping = step < cfg.max_steps and (
-            step == cfg.stop_at_step or (stop_requested is not None and stop_requested())
-        )
-
-        if step % cfg.log_every == 0 or step == cfg.max_steps or stopping:
-            mean_loss = dist.all_reduce_(window_loss.clone()).item() / (window_steps * world.world_size)
-            last = {"step": step, "train_loss": mean_loss, "lr": lr}
-            if timed_steps:
-                last["tokens_or_samples_per_s"] = units_per_step * timed_steps / train_time
-                last["step_time_s"] = train_time / timed_steps
-            logger.log(last)
-            bar.set_postfix(loss=f"{mean_loss:.4f}")
-            window_loss.zero_()
-            window_steps = 0
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            final = step == cfg.max_steps and cfg.save_model
-            evals = evaluate(
-                strategy,
-                data,
-                device=device,
-                calibration=calibration,
-                calibration_batches=calibration_batches,
-                export=model_path if final else None,
-                write_export=world.is_main,
+    skipped: list[int] = []
+    try:
+        bar.update(start_step)
+        for step in range(start_step + 1, cfg.max_steps + 1):
+            t0 = time.perf_counter()
+            profiling = step in (flop_step, peak_step)
+            saved = dict(timer.totals)
+            try:
+                if step == flop_step:
+                    loss, flops = count_flops(run_step)
+                elif step == peak_step:
+                    loss, peak = measure_peak(strategy, optimizer, run_step)
+                else:
+                    loss = run_step()
+            except NonFiniteStep as bad:
+                # Every rank raised it, before the update: the model is still the last good one.
+                loss = None
+                nonfinite_step(
+                    bad,
+                    step=step,
+                    cfg=cfg,
+                    skipped=skipped,
+                    world=world,
+                    logger=logger,
+                    run_dir=run_dir,
+                    last_checkpoint=last_checkpoint,
+                )
+                optimizer.zero_grad(set_to_none=True)
+            if profiling:  # excluded from the timings: the counters slow the step down
+                timer.totals = saved
+            if loss is not None:
+                window_loss += loss
+                window_steps += 1
+            lr = scheduler.get_last_lr()[0]  # the lr this step used
+            scheduler.step()
+            resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
+            if resampled:
+                strategy.model.train()
+            comm.end_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if not profiling:
+                train_time += time.perf_counter() - t0
+                timed_steps += 1
+            if measure_memory:  # gradients and optimizer state exist from the first step on
+                memory = _elementwise_max(memory, strategy.memory(optimizer))
+            measure_memory = resampled  # a new subnetwork: measure it after its first step
+            bar.update(1)
+            stopping = step < cfg.max_steps and (
+                step == cfg.stop_at_step or (stop_requested is not None and stop_requested())
             )
-            logger.log({"step": step, **evals})
-            if world.is_main:
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
-        periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
-        if checkpoint is not None and (periodic or stopping):
-            checkpoint(step, {"memory": memory, "peak": peak, "flops": flops})
-        if stopping:
-            stopped_at = step
-            if world.is_main:
-                bar.write(f"stopped after step {step}; the same command resumes from its checkpoint")
-            break
-    bar.close()
+
+            if (step % cfg.log_every == 0 or step == cfg.max_steps or stopping) and window_steps:
+                mean_loss = dist.all_reduce_(window_loss.clone()).item() / (window_steps * world.world_size)
+                last = {"step": step, "train_loss": mean_loss, "lr": lr}
+                if timed_steps:
+                    last["tokens_or_samples_per_s"] = units_per_step * timed_steps / train_time
+                    last["step_time_s"] = train_time / timed_steps
+                logger.log(last)
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                window_loss.zero_()
+                window_steps = 0
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                final = step == cfg.max_steps and cfg.save_model
+                evals = evaluate(
+                    strategy,
+                    data,
+                    device=device,
+                    calibration=calibration,
+                    calibration_batches=calibration_batches,
+                    export=model_path if final else None,
+                    write_export=world.is_main,
+                )
+                logger.log({"step": step, **evals})
+                if world.is_main:
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
+            if checkpoint is not None and (periodic or stopping):
+                t_ckpt = time.perf_counter()
+                written = checkpoint(step, {"memory": memory, "peak": peak, "flops": flops})
+                checkpoint_time += time.perf_counter() - t_ckpt
+                checkpoints_written += bool(written)
+                checkpoint_failures += not written
+                last_checkpoint = step if written else last_checkpoint
+            if stopping:
+                stopped_at = step
+                if world.is_main:
+                    where = "its checkpoint" if written else "the checkpoint before (this one could not be written)"
+                    bar.write(f"stopped after step {step}; the same command resumes from {where}")
+                break
+    finally:  # the bar ends its line before anything else is printed
+        bar.close()
     step_time = train_time / timed_steps if timed_steps else None
     phases = {k: v / timed_steps for k, v in timer.totals.items()} if timed_steps else {}
     local = {
@@ -405,7 +497,12 @@ def train(
         "steps": stopped_at or cfg.max_steps,
         "stopped_at": stopped_at,
         "resumed_from": start_step or None,
-        "train_loss": last["train_loss"],
+        "train_loss": last.get("train_loss"),
+        "nonfinite_skipped_steps": skipped,
+        "checkpoint_failures": checkpoint_failures,
+        # Wall time of this launch's checkpoints (written, checksummed, fsynced), outside the step times.
+        "checkpoints_written": checkpoints_written,
+        "checkpoint_time_s": checkpoint_time,
         **evals,
         # Per rank: this rank's share of the global batch over its step time.
         "tokens_or_samples_per_s": units_per_step / step_time if step_time else None,
@@ -423,6 +520,40 @@ def train(
     if top and flops and step_time:
         out["mfu"] = flops / step_time / top
     return out
+
+
+def nonfinite_step(
+    bad: NonFiniteStep,
+    *,
+    step: int,
+    cfg: TrainerConfig,
+    skipped: list[int],
+    world: dist.World,
+    logger: RunLogger,
+    run_dir: Path | None,
+    last_checkpoint: int | None,
+) -> None:
+    """A step with a NaN/Inf loss or gradient: record it and skip it (trainer.on_nonfinite=skip,
+    up to max_nonfinite_skips), or write nonfinite_step_N.json and raise (stop)."""
+    record = {"step": step, **bad.diagnostic}
+    if cfg.on_nonfinite == "skip" and len(skipped) < cfg.max_nonfinite_skips:
+        skipped.append(step)
+        logger.log({"step": step, "nonfinite_skipped": 1})
+        dist.warn0(world, f"step {step} skipped ({len(skipped)} of at most {cfg.max_nonfinite_skips}): {bad}")
+        return
+    if world.is_main and run_dir is not None:
+        write_json_atomic(run_dir / f"nonfinite_step_{step}.json", {**record, "skipped_before": skipped})
+    why = f"after {len(skipped)} skipped steps, " if cfg.on_nonfinite == "skip" else ""
+    if last_checkpoint:
+        then = (
+            f"the last checkpoint, step {last_checkpoint}, is kept: resume it with trainer.on_nonfinite=skip "
+            "to step over this one, or start again with a lower optim.lr"
+        )
+    else:
+        then = "no checkpoint was written yet: start again with a lower optim.lr or trainer.on_nonfinite=skip"
+    raise Diverged(
+        f"step {step}: {why}{bad}; the update was not applied (diagnostic: nonfinite_step_{step}.json); {then}"
+    ) from None
 
 
 def _busiest(per_rank: list[dict]) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdp.errors import ConfigError
+from sdp.redact import redact, redact_text, secret_values
 
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -23,6 +24,7 @@ class LoggerConfig:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 60.0  # online: an unreachable W&B server costs the run about this long, then W&B is off
 
 
 def validate_logger(cfg: LoggerConfig) -> None:
@@ -30,6 +32,8 @@ def validate_logger(cfg: LoggerConfig) -> None:
         raise ConfigError("logger.name", cfg.name, f"allowed: {', '.join(LOGGERS)}")
     if cfg.mode not in WANDB_MODES:
         raise ConfigError("logger.mode", cfg.mode, f"allowed: {', '.join(WANDB_MODES)}")
+    if not cfg.init_timeout_s > 0:
+        raise ConfigError("logger.init_timeout_s", cfg.init_timeout_s, "must be > 0 (seconds)")
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -43,8 +47,10 @@ class RunLogger:
     """Appends metric records to `metrics.jsonl` and mirrors them to W&B.
 
     Only rank 0 constructs one with `active=True`; other ranks get a logger
-    that does nothing, so call sites need no rank checks. A W&B failure is
-    reported once and never stops training.
+    that does nothing, so call sites need no rank checks. A W&B failure (an
+    unreachable server, no API key) is reported once, on one line, and never
+    stops training. Everything written here and sent to W&B is redacted
+    (`sdp.redact`): no credential of the config or the environment leaves.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class RunLogger:
         self.wandb_id = resume_id
         if not active:
             return
+        self._secrets = secret_values()
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if cfg.name == "wandb" and cfg.mode != "disabled":
             self._start_wandb(cfg, run_name, config)
@@ -72,7 +79,10 @@ class RunLogger:
         try:
             import wandb
 
+            if cfg.mode == "online":
+                _check_credentials(wandb)
             self.wandb_id = self.wandb_id or secrets.token_hex(4)  # kept in checkpoints: a resume continues it
+            command_line = " ".join(sys.argv)
             self._wandb_run = wandb.init(
                 id=self.wandb_id,
                 resume="allow",
@@ -83,20 +93,30 @@ class RunLogger:
                 name=run_name,
                 mode=cfg.mode,
                 dir=str(self.run_dir),
-                config=config,
-                settings=wandb.Settings(quiet=True),
+                config=redact(config, self._secrets),
+                settings=wandb.Settings(
+                    quiet=True,
+                    init_timeout=cfg.init_timeout_s,
+                    # W&B's system metadata records the command line: leave it all out when an
+                    # override there holds a secret.
+                    x_disable_meta=redact_text(command_line, self._secrets) != command_line,
+                ),
             )
         except Exception as err:  # noqa: BLE001 - W&B must never stop a run
             self._wandb_failed("start", err)
 
     def _wandb_failed(self, what: str, err: Exception) -> None:
-        print(f"warning: W&B {what} failed, logging to metrics.jsonl only: {err}", file=sys.stderr, flush=True)
+        """Warn once, on one line, and stop using W&B (later calls skip it, so no second warning)."""
+        reason = (str(err).strip().splitlines() or [""])[0]
+        message = f"warning: W&B {what} failed, logging to metrics.jsonl only: {type(err).__name__}: {reason}"
+        print(redact_text(message, self._secrets), file=sys.stderr, flush=True)
         self._wandb_run = None
 
     def log(self, record: dict) -> None:
         """Append one record (must contain `step`)."""
         if not self.active:
             return
+        record = redact(record, self._secrets)
         self._metrics.write(json.dumps(record) + "\n")
         if self._wandb_run is not None:
             try:
@@ -108,6 +128,7 @@ class RunLogger:
         """Write `summary.json` (the contract the table scripts read) and the W&B summary."""
         if not self.active:
             return
+        summary = redact(summary, self._secrets)  # a failed run's `error` may quote a secret
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self._wandb_run is not None:
             try:
@@ -124,6 +145,16 @@ class RunLogger:
                 self._wandb_run.finish(exit_code=exit_code)
             except Exception as err:  # noqa: BLE001
                 self._wandb_failed("finish", err)
+
+
+def _check_credentials(wandb) -> None:
+    """Refuse an online run without W&B credentials up front: on a terminal `wandb.init`
+    would instead ask for an API key and wait for an answer, stalling the run."""
+    from wandb.sdk.lib import wbauth  # wandb's own lookup (env, settings, .netrc), without its prompt
+
+    host = wandb.setup().settings.base_url
+    if wbauth.authenticate_session(host=host, source="sdp", prompt=False, update_session=False) is None:
+        raise RuntimeError(f"no API key for {host} (set WANDB_API_KEY or run `wandb login`)")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

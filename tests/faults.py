@@ -1,0 +1,79 @@
+"""The entrypoint `sdp.train` with one fault armed, for tests/test_faults.py.
+
+    torchrun [--max-restarts=N] ... tests/faults.py FAULT [override ...]
+
+FAULT is one of
+    none           no fault;
+    kill:R:S       rank R sends itself SIGKILL right after its S-th optimizer step, in the
+                   job's first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a dead node would;
+    enospc:R:S     rank R's part of the checkpoint of step S fails with 'No space left on
+                   device' after part of the file reached the disk;
+    nan:R:S        rank R's training loss is NaN in its S-th optimizer step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+
+import torch
+
+import sdp.trainer
+from sdp import train
+
+
+def arm(fault: str) -> None:
+    if fault == "none":
+        return
+    kind, rank, step = fault.split(":")
+    if int(os.environ["RANK"]) != int(rank):
+        return
+    step = int(step)
+    if kind == "kill":
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return  # the restarted attempt runs clean
+        real_step, calls = sdp.trainer.train_step, [0]
+
+        def step_then_die(*args, **kwargs):
+            loss = real_step(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return loss
+
+        sdp.trainer.train_step = step_then_die
+    elif kind == "enospc":
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if f"step_{step:08d}" in str(getattr(f, "name", f)):
+                real_save(obj, f, *args, **kwargs)
+                f.truncate(64)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    elif kind == "nan":
+        real_loss, calls = sdp.trainer.forward_loss, [0]
+
+        def loss_with_a_nan(model, batch):
+            loss, logits = real_loss(model, batch)
+            if model.training:
+                calls[0] += 1
+                if calls[0] == step:
+                    loss = loss * float("nan")
+            return loss, logits
+
+        sdp.trainer.forward_loss = loss_with_a_nan
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+
+
+if __name__ == "__main__":
+    arm(sys.argv[1])
+    code = train.main(sys.argv[2:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,152 @@
+"""Checkpoint integrity in one process: manifests and checksums, a damaged newest checkpoint
+falls back to the one before, a full disk keeps the previous one, a diverged or reshaped
+state is refused. The multi-process faults (a killed rank, NaNs) are in test_faults.py."""
+
+import errno
+import json
+import types
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from sdp import dist
+from sdp.checkpoint import check_resume, choose_checkpoint, complete_checkpoints, load_checkpoint, save_checkpoint
+
+CONFIG = {"model": {"name": "tiny"}, "trainer": {"max_steps": 10}}
+WORLD = dist.World(rank=0, local_rank=0, world_size=1)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def group(tmp_path):
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()
+
+
+def _trainer(seed: int = 0, width: int = 8):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    strategy = types.SimpleNamespace(model=model, replicated_state=False)
+    return strategy, optimizer, scheduler
+
+
+def _save(run_dir, step, trainer, keep=2):
+    strategy, optimizer, scheduler = trainer
+    return save_checkpoint(
+        run_dir,
+        step=step,
+        strategy=strategy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        world=WORLD,
+        device=torch.device("cpu"),
+        config=CONFIG,
+        keep=keep,
+    )
+
+
+def _choose(run_dir):
+    return choose_checkpoint(check_resume(run_dir, CONFIG, world_size=1), world=WORLD)
+
+
+def test_a_checkpoint_has_a_manifest_of_its_files(tmp_path, group):
+    path = _save(tmp_path, 4, _trainer())
+    meta = json.loads((path / "meta.json").read_text())
+    entry = meta["files"]["rank00000.pt"]
+    assert entry["bytes"] == (path / "rank00000.pt").stat().st_size and len(entry["sha256"]) == 64
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
+
+
+@pytest.mark.parametrize("harm", ["truncate", "flip_a_byte", "delete", "garble_meta"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, group, harm):
+    trainer = _trainer()
+    _save(tmp_path, 2, trainer)
+    newest = _save(tmp_path, 4, trainer)
+    data = newest / "rank00000.pt"
+    if harm == "truncate":  # a write cut short
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif harm == "flip_a_byte":  # bit rot: same size, other content
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif harm == "delete":
+        data.unlink()
+    else:
+        (newest / "meta.json").write_text('{"step": 4, "world_si')
+    ckpt, problems = _choose(tmp_path)
+    assert ckpt.step == 2
+    expected = {
+        "truncate": "has 1",  # bytes, its manifest says ...
+        "flip_a_byte": "does not match its SHA-256 checksum",
+        "delete": "rank00000.pt is missing",
+        "garble_meta": "meta.json is unreadable",
+    }[harm]
+    assert len(problems) == 1 and "step_00000004" in problems[0] and expected in problems[0], problems
+
+
+def test_no_intact_checkpoint_is_none_with_the_reasons(tmp_path, group):
+    newest = _save(tmp_path, 4, _trainer())
+    (newest / "rank00000.pt").write_bytes(b"")
+    ckpt, problems = _choose(tmp_path)
+    assert ckpt is None and "has 0 bytes" in problems[0]
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, group, monkeypatch, capsys):
+    trainer = _trainer()
+    _save(tmp_path, 2, trainer)
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.truncate(100)  # part of it reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    assert _save(tmp_path, 4, trainer) is None
+    warning = capsys.readouterr().err
+    assert warning.startswith("warning: checkpoint of step 4 not written (rank 0: the disk is full")
+    assert "kept step_00000002" in warning and warning.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    monkeypatch.setattr(torch, "save", real_save)
+    assert _choose(tmp_path)[0].step == 2
+    assert _save(tmp_path, 6, trainer) is not None  # space again: the next checkpoint is written
+
+
+def test_a_diverged_state_is_not_saved(tmp_path, group, capsys):
+    trainer = _trainer()
+    _save(tmp_path, 2, trainer)
+    with torch.no_grad():
+        trainer[0].model[0].weight[0, 0] = float("nan")
+    assert _save(tmp_path, 4, trainer) is None
+    assert "0.weight is not finite" in capsys.readouterr().err
+    assert [c.step for c in complete_checkpoints(tmp_path)] == [2]
+
+
+def test_only_the_newest_keep_are_kept_and_partial_dirs_are_ignored(tmp_path, group):
+    trainer = _trainer()
+    for step in (2, 4, 6):
+        _save(tmp_path, step, trainer, keep=2)
+    (tmp_path / "checkpoints" / "step_00000008.partial").mkdir()  # a launch died while writing it
+    (tmp_path / "checkpoints" / "step_00000008.partial" / "meta.json").write_text('{"step": 8}')
+    assert [c.step for c in complete_checkpoints(tmp_path)] == [4, 6]
+
+
+def test_a_checkpoint_loads_bitwise_and_refuses_another_shape(tmp_path, group):
+    saved = _trainer(seed=1)
+    ckpt_dir = _save(tmp_path, 2, saved)
+    ckpt = complete_checkpoints(tmp_path)[-1]
+    assert ckpt.path == ckpt_dir
+    strategy, optimizer, scheduler = _trainer(seed=2)
+    load_checkpoint(ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=WORLD, device=CPU)
+    for a, b in zip(saved[0].model.parameters(), strategy.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    wider = _trainer(width=16)
+    with pytest.raises(RuntimeError, match=r"0.weight is \(8, 8\) torch.float32 there and \(16, 16\)"):
+        load_checkpoint(ckpt, strategy=wider[0], optimizer=wider[1], scheduler=wider[2], world=WORLD, device=CPU)

@@ -1,0 +1,132 @@
+"""Faults in real multi-process runs (tests/faults.py arms them): a rank killed under
+torchrun --max-restarts, a full disk during a checkpoint, a damaged newest checkpoint,
+a NaN loss (stop, then resume skipping it). Each must end where an uninterrupted run ends."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job_env, launch, read_run
+
+from sdp.checkpoint import complete_checkpoints
+from sdp.compare import torchrun_command
+
+pytestmark = pytest.mark.dist
+
+FAULTS = Path(__file__).parent / "faults.py"
+# N-SDP forward with a new mask every 3 steps: every rank's checkpoint file differs, and
+# a resume must rebuild the right mask epoch.
+RUN = [
+    "model=llama_tiny",
+    "dataset=synthetic_text",
+    "dataset.seq_len=32",
+    "trainer.global_batch_size=16",
+    "logger=none",
+    "trainer.max_steps=8",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "dataset.eval_batches=1",
+    "trainer.checkpoint_every=2",
+    "masking=forward",
+    "masking.coverage=0.5",
+    "masking.resample_every=3",
+]
+TIMINGS = ("tokens_or_samples_per_s", "step_time_s")
+
+
+def with_fault(fault: str, overrides: list[str], *, cwd: Path, restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = torchrun_command(2, f"--max-restarts={restarts}", str(FAULTS), fault, *overrides)
+    return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = launch([*RUN, f"run_dir={run_dir}"], cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Bitwise the same final parameters and every logged loss."""
+    a, b = (torch.load(d / "model.pt", weights_only=True) for d in (reference, run_dir))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (_, ra), (_, rb) = read_run(reference), read_run(run_dir)
+    assert [{k: v for k, v in r.items() if k not in TIMINGS} for r in ra] == [
+        {k: v for k, v in r.items() if k not in TIMINGS} for r in rb
+    ]
+
+
+def test_a_killed_rank_restarts_from_the_latest_checkpoint(tmp_path, reference):
+    # Rank 1 dies (SIGKILL) right after step 5; torchrun restarts both ranks. No run_dir is
+    # given: the restart finds the run dir its first attempt made by the job's rendezvous id.
+    out = tmp_path / "outputs"
+    proc = with_fault("kill:1:5", [*RUN, f"output_root={out}"], cwd=tmp_path, restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exitcode: -9" in proc.stderr  # the first attempt did lose a rank to SIGKILL
+    (run_dir,) = out.iterdir()
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["resumed_from"] == 4  # 1 step lost, interval 2
+    assert_same_run(run_dir, reference)
+
+
+def test_a_full_disk_and_a_damaged_checkpoint_lose_nothing(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # Launch 1: rank 1's part of the checkpoint of step 4 hits a full disk; the run goes on
+    # and stops after step 6 with a checkpoint, as a preemption would.
+    proc = with_fault("enospc:1:4", [*RUN, f"run_dir={run_dir}", "trainer.stop_at_step=6"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warnings) == 1 and "step 4 not written (rank 1: the disk is full" in warnings[0], proc.stderr[-2000:]
+    assert "kept step_00000002" in warnings[0]
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "stopped" and summary["checkpoint_failures"] == 1
+    assert [c.step for c in complete_checkpoints(run_dir)] == [2, 6]
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+    # Bit rot in the newest checkpoint: one byte of rank 1's file.
+    damaged = run_dir / "checkpoints" / "step_00000006" / "rank00001.pt"
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    # Launch 2, the same command: resumes from step 2, with a warning, and ends as the reference.
+    proc = launch([*RUN, f"run_dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "warning: damaged checkpoint skipped: step_00000006/rank00001.pt does not match its SHA-256 checksum"
+        in proc.stderr
+    )
+    assert "warning: resuming from the previous checkpoint, step_00000002" in proc.stderr
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["resumed_from"] == 2
+    assert_same_run(run_dir, reference)
+
+
+def test_a_nan_stops_the_run_and_a_resume_can_skip_it(tmp_path):
+    run_dir = tmp_path / "run"
+    # Rank 1's loss is NaN in step 3: every rank stops before the update, after a diagnostic.
+    proc = with_fault("nan:1:3", [*RUN, f"run_dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "[rank" not in proc.stderr  # one line, no traceback
+    assert "the last checkpoint, step 2, is kept: resume it with trainer.on_nonfinite=skip" in ours[0]
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "failed"
+    # Rank 1's loss, then the NaN gradients the all-reduce spread to every rank.
+    assert "step 3: non-finite loss or gradient (rank 0: loss 8." in summary["error"]
+    assert "rank 1: loss nan, non-finite gradients in model.embed_tokens.weight" in summary["error"]
+    diagnostic = json.loads((run_dir / "nonfinite_step_3.json").read_text())
+    assert [r["nonfinite_loss"] for r in diagnostic["ranks"]] == [False, True]
+    assert all(r["nonfinite_grads"] for r in diagnostic["ranks"])  # NaN gradients reached both ranks
+    assert [c.step for c in complete_checkpoints(run_dir)] == [2]  # the last good one
+    assert max(r["step"] for r in records) == 2
+    # Resume with the step skipped (the NaN is in this launch's first step, step 3).
+    proc = with_fault("nan:1:1", [*RUN, f"run_dir={run_dir}", "trainer.on_nonfinite=skip"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: step 3 skipped (1 of at most 10): non-finite loss or gradient (rank 0: loss 8." in proc.stderr
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["nonfinite_skipped_steps"] == [3]
+    assert {"step": 3, "nonfinite_skipped": 1} in records
+    assert all(r["train_loss"] == r["train_loss"] for r in records if "train_loss" in r)  # no NaN logged
