@@ -63,7 +63,7 @@ lint: setup
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
 
-# Many short runs in one sweep (4 CPU processes... see scripts/soak.py), one forced to diverge: the
-# others complete and sweep.json marks the failure. About 10 min on 2 cores.
+# Reliability soak: 25 short 2-process runs in one sweep, one made to diverge; checks that the
+# others complete and sweep.json marks only that one failed (scripts/soak.py; about 3 min on 2 cores).
 soak: setup
 	$(PY) scripts/soak.py

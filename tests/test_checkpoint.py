@@ -91,11 +91,22 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, grou
     assert len(problems) == 1 and "step_00000004" in problems[0] and expected in problems[0], problems
 
 
-def test_no_intact_checkpoint_is_none_with_the_reasons(tmp_path, group):
+def test_no_intact_checkpoint_refuses_the_resume_naming_each_damage(tmp_path, group):
+    from sdp.errors import RunFailed
+    from sdp.train import pick_checkpoint
+
+    older = _save(tmp_path, 2, _trainer())
     newest = _save(tmp_path, 4, _trainer())
     (newest / "rank00000.pt").write_bytes(b"")
+    meta = json.loads((older / "meta.json").read_text())
+    del meta["files"]  # a checkpoint without a manifest cannot be checked: not trusted
+    (older / "meta.json").write_text(json.dumps(meta))
     ckpt, problems = _choose(tmp_path)
-    assert ckpt is None and "has 0 bytes" in problems[0]
+    assert (
+        ckpt is None and "has 0 bytes" in problems[0] and "step_00000002/meta.json has no file manifest" in problems[1]
+    )
+    with pytest.raises(RunFailed, match=r"run_dir holds no intact checkpoint to resume from \(step_00000004/rank"):
+        pick_checkpoint(check_resume(tmp_path, CONFIG, world_size=1), world=WORLD)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, group, monkeypatch, capsys):

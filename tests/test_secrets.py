@@ -176,3 +176,23 @@ def test_no_secret_reaches_any_file_of_the_run_dir(tmp_path, monkeypatch, secret
         wandb.teardown()
     assert list((tmp_path / "wandb").rglob("*.wandb")), "W&B wrote its offline run"
     assert _files_holding(tmp_path, [WANDB_KEY, HF_TOKEN]) == []
+
+
+@pytest.mark.dist
+def test_a_launched_run_writes_no_secret_anywhere(tmp_path, secret_env):
+    """The whole path: torchrun, config.yaml, checkpoints' meta.json, metrics, summary, W&B's
+    offline files and the console, with the secrets in the environment and in the config."""
+    from conftest import launch
+
+    run_dir = tmp_path / "run"
+    overrides = [*BASE, "logger=wandb", "trainer.checkpoint_every=1", "trainer.max_steps=3", f"run_dir={run_dir}"]
+    # A top-level key is kept in config.yaml as given: the way a secret reaches a saved config.
+    proc = launch([*overrides, "+hf_token=${oc.env:HF_TOKEN}", "+note=${oc.env:WANDB_API_KEY}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "<redacted>" in (run_dir / "config.yaml").read_text()
+    assert list((run_dir / "wandb").glob("offline-run-*")) and list((run_dir / "checkpoints").glob("step_*"))
+    secrets = [os.environ["HF_TOKEN"], os.environ["WANDB_API_KEY"]]
+    for path in [p for p in run_dir.rglob("*") if p.is_file()]:
+        data = path.read_bytes()
+        assert not any(s.encode() in data for s in secrets), path
+    assert not any(s in proc.stdout + proc.stderr for s in secrets)

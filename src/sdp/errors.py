@@ -18,3 +18,8 @@ class ConfigError(ValueError):
         self.key, self.value, self.allowed = key, value, allowed
         shown = REDACTED if is_secret_name(key) and value not in (None, "") else repr(value)
         super().__init__(redact_text(f"{key}={shown}: {allowed}"))
+
+
+class RunFailed(RuntimeError):
+    """A failure after launch that the run has diagnosed (a NaN step, no intact checkpoint):
+    every rank raises it, and the entrypoint reports it as one line with exit code 3."""

@@ -30,7 +30,7 @@ from sdp.checkpoint import (
 )
 from sdp.config import RunConfig, load_config
 from sdp.data import build_data, prepare_data
-from sdp.errors import ConfigError
+from sdp.errors import ConfigError, RunFailed
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger, write_json_atomic
 from sdp.models import build_model
@@ -42,7 +42,7 @@ from sdp.parallel.sharded import ShardedSDPStrategy
 from sdp.redact import redact, redact_text, redact_yaml
 from sdp.subnet import is_sdp
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import Diverged, micro_batch_size, train
+from sdp.trainer import micro_batch_size, train
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -232,7 +232,7 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
         return None  # a new run, or a restart that died before its first checkpoint
     ckpt, problems = choose_checkpoint(resume, world=world)
     if ckpt is None:
-        raise RuntimeError(
+        raise RunFailed(
             f"run_dir holds no intact checkpoint to resume from ({'; '.join(problems)}); "
             "restore the files, or start the run again in a new run_dir"
         )
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run(raw, cfg, world, resume=resume)
-    except Diverged as err:  # diagnosed and recorded in summary.json: one line, no traceback
+    except RunFailed as err:  # diagnosed (and in summary.json once it exists): one line, no traceback
         dist.print0(world, redact_text(f"error: {err}"), file=sys.stderr)
         return 3
     if world.is_main:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from sdp import dist
 from sdp.data import DataBundle
-from sdp.errors import ConfigError
+from sdp.errors import ConfigError, RunFailed
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter, peak_flops
 from sdp.metrics.logger import RunLogger, write_json_atomic
@@ -261,9 +261,8 @@ class NonFiniteStep(RuntimeError):
         super().__init__(f"non-finite loss or gradient ({'; '.join(what)}; gradient norm {norm})")
 
 
-class Diverged(RuntimeError):
-    """The run stopped on a NaN/Inf step (trainer.on_nonfinite): a diagnosed failure, reported
-    as one line, not a traceback."""
+class Diverged(RunFailed):
+    """The run stopped on a NaN/Inf step (trainer.on_nonfinite)."""
 
 
 def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
