@@ -6,7 +6,7 @@ Runs the entrypoint (torchrun, one process on one GPU, bf16) on synthetic text,
 after one discarded warm-up launch, alternating trainer.on_nonfinite=stop and
 off, `--repeats` times each, with a
 checkpoint every `--steps`/3 steps; reports tokens/s of both (the check's cost
-is one host sync and one scalar all-reduce per step), the checkpoints' wall time
+is one host sync and one 2-element all-reduce per step), the checkpoints' wall time
 and size (written, SHA-256 checksummed and fsynced), and SHA-256 throughput.
 Writes DIR/cuda_reliability_check.json and .md.
 """

@@ -55,6 +55,18 @@ def export_world(*, rank: int, local_rank: int, world_size: int, local_world_siz
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def elastic_run_id() -> str | None:
+    """The torchrun job's rendezvous id, the same in every attempt of a job; None outside
+    torchrun or under the default id 'none', which many jobs share."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
+
+
+def restart_count() -> int:
+    """Which attempt of a torchrun job this is (0: the first; --max-restarts starts others)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def hub_offline() -> bool:
     """True when the user asked the Hugging Face libraries not to touch the network."""
     return any(

@@ -104,17 +104,10 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume
 LAUNCH_RECORD = "launch.json"
 
 
-def elastic_run_id() -> str | None:
-    """The torchrun job's rendezvous id, the same in every attempt of a job; None outside
-    torchrun or under the default id 'none', which many jobs share."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return run_id if run_id and run_id != "none" else None
-
-
 def restarted_job(run_dir: Path) -> bool:
     """Whether this launch is a torchrun restart of the job that created `run_dir`."""
-    run_id = elastic_run_id()
-    if not run_id or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    run_id = dist.elastic_run_id()
+    if not run_id or dist.restart_count() == 0:
         return False
     try:
         return json.loads((run_dir / LAUNCH_RECORD).read_text()).get("torchelastic_run_id") == run_id
@@ -124,8 +117,8 @@ def restarted_job(run_dir: Path) -> bool:
 
 def elastic_run_dir(cfg: RunConfig) -> str | None:
     """On a torchrun restart: the run dir under output_root that this job's first attempt made."""
-    run_id = elastic_run_id()
-    if not run_id or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    run_id = dist.elastic_run_id()
+    if not run_id or dist.restart_count() == 0:
         return None
     root = Path(cfg.output_root)
     for record in sorted(root.glob(f"*/{LAUNCH_RECORD}"), reverse=True) if root.is_dir() else []:
@@ -275,8 +268,8 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         if world.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(redact_yaml(raw))
-            if elastic_run_id():  # a torchrun restart without run_dir finds this dir by it
-                write_json_atomic(run_dir / LAUNCH_RECORD, {"torchelastic_run_id": elastic_run_id()})
+            if dist.elastic_run_id():  # a torchrun restart without run_dir finds this dir by it
+                write_json_atomic(run_dir / LAUNCH_RECORD, {"torchelastic_run_id": dist.elastic_run_id()})
             if resume is not None:  # records of steps after the checkpoint are written again
                 truncate_metrics(run_dir, start_step)
         logger = RunLogger(

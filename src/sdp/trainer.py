@@ -57,7 +57,7 @@ class TrainerConfig:
     # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
     # before the update): stop (write nonfinite_step_N.json and fail, keeping the last good
     # checkpoint), skip (drop the update; stop after max_nonfinite_skips such steps) or off
-    # (no check: saves one host sync and a scalar all-reduce per step).
+    # (no check: saves one host sync and a 2-element all-reduce per step).
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
 
@@ -268,7 +268,7 @@ class Diverged(RunFailed):
 def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
     """Collective: raise NonFiniteStep on every rank when any rank's loss or gradients are not
     finite. `norm` is the global gradient norm when clipping computed it (every rank has it),
-    else each rank checks its own gradients. One scalar all-reduce and one host sync."""
+    else each rank checks its own gradients. One 2-element all-reduce and one host sync."""
     if norm is not None:
         grads_ok = torch.isfinite(norm.float())
     else:
