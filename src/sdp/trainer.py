@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -285,15 +286,21 @@ def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | No
     ]
     mine = {
         "rank": dist.rank(),
-        "loss": float(loss),
+        "loss": _json_float(loss),
         "nonfinite_loss": not bool(torch.isfinite(loss)),
         "nonfinite_grads": bad[:5] + ([f"... {len(bad) - 5} more"] if len(bad) > 5 else []),
     }
     diagnostic = {
         "ranks": dist.gather_objects(mine),
-        "grad_norm": None if norm is None else float(norm),
+        "grad_norm": None if norm is None else _json_float(norm),
     }
     raise NonFiniteStep(diagnostic)
+
+
+def _json_float(t: torch.Tensor) -> float | str:
+    """A scalar for strict JSON: a finite float, or 'nan' / 'inf' / '-inf'."""
+    value = float(t)
+    return value if math.isfinite(value) else str(value)
 
 
 def count_flops(run_step) -> tuple[torch.Tensor, int]:
