@@ -95,6 +95,33 @@ def test_every_wandb_call_failing_warns_once_and_redacted(tmp_path, monkeypatch,
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
 
 
+def test_the_end_of_a_run_waits_for_wandb_at_most_finish_timeout(tmp_path, monkeypatch, capsys):
+    # A server gone mid-run: W&B's own finish_timeout ends the wait and raises; we say so once.
+    import wandb
+
+    seen = {}
+
+    class StuckRun:
+        def log(self, *args, **kwargs):
+            pass
+
+        summary = {}
+
+        def finish(self, *args, **kwargs):
+            raise TimeoutError("Timed out finishing run.")
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return StuckRun()
+
+    monkeypatch.setattr(wandb, "init", init)
+    cfg = LoggerConfig(finish_timeout_s=7)
+    _short_run(RunLogger(cfg, run_dir=tmp_path, run_name="r", config={}, active=True))
+    assert seen["settings"].finish_timeout == 7 and seen["settings"].finish_timeout_raises
+    (warning,) = _warnings(capsys.readouterr().err)
+    assert warning.startswith("warning: W&B finish failed, what was not uploaded stays in") and "wandb sync" in warning
+
+
 @pytest.fixture
 def wandb_online(tmp_path, monkeypatch):
     """W&B in online mode against a local port nothing listens on, with no credentials but

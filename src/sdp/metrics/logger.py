@@ -25,6 +25,10 @@ class LoggerConfig:
     group: str | None = None
     tags: list[str] = field(default_factory=list)
     init_timeout_s: float = 60.0  # online: an unreachable W&B server costs the run about this long, then W&B is off
+    # At the run's end, stop waiting for uploads after this long (a server gone mid-run would
+    # otherwise hold the finished run forever); what was not uploaded stays in RUN_DIR/wandb
+    # for `wandb sync`.
+    finish_timeout_s: float = 300.0
 
 
 def validate_logger(cfg: LoggerConfig) -> None:
@@ -32,8 +36,9 @@ def validate_logger(cfg: LoggerConfig) -> None:
         raise ConfigError("logger.name", cfg.name, f"allowed: {', '.join(LOGGERS)}")
     if cfg.mode not in WANDB_MODES:
         raise ConfigError("logger.mode", cfg.mode, f"allowed: {', '.join(WANDB_MODES)}")
-    if not cfg.init_timeout_s > 0:
-        raise ConfigError("logger.init_timeout_s", cfg.init_timeout_s, "must be > 0 (seconds)")
+    for key in ("init_timeout_s", "finish_timeout_s"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"logger.{key}", getattr(cfg, key), "must be > 0 (seconds)")
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -97,6 +102,8 @@ class RunLogger:
                 settings=wandb.Settings(
                     quiet=True,
                     init_timeout=cfg.init_timeout_s,
+                    finish_timeout=cfg.finish_timeout_s,
+                    finish_timeout_raises=True,  # reported once by close(), like any W&B failure
                     # W&B's system metadata records the command line: leave it all out when an
                     # override there holds a secret.
                     x_disable_meta=redact_text(command_line, self._secrets) != command_line,
@@ -108,7 +115,12 @@ class RunLogger:
     def _wandb_failed(self, what: str, err: Exception) -> None:
         """Warn once, on one line, and stop using W&B (later calls skip it, so no second warning)."""
         reason = (str(err).strip().splitlines() or [""])[0]
-        message = f"warning: W&B {what} failed, logging to metrics.jsonl only: {type(err).__name__}: {reason}"
+        then = (
+            f"what was not uploaded stays in {self.run_dir / 'wandb'} (wandb sync it)"
+            if what == "finish"
+            else "logging to metrics.jsonl only"
+        )
+        message = f"warning: W&B {what} failed, {then}: {type(err).__name__}: {reason}"
         print(redact_text(message, self._secrets), file=sys.stderr, flush=True)
         self._wandb_run = None
 
