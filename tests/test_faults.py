@@ -98,7 +98,7 @@ def test_a_full_disk_and_a_damaged_checkpoint_lose_nothing(tmp_path, reference):
         "warning: damaged checkpoint skipped: step_00000006/rank00001.pt does not match its SHA-256 checksum"
         in proc.stderr
     )
-    assert "warning: resuming from the previous checkpoint, step_00000002" in proc.stderr
+    assert "warning: resuming from step_00000002, the newest intact checkpoint" in proc.stderr
     summary, _ = read_run(run_dir)
     assert summary["status"] == "completed" and summary["resumed_from"] == 2
     assert_same_run(run_dir, reference)

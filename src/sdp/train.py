@@ -232,7 +232,7 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
     for problem in problems:
         dist.warn0(world, f"damaged checkpoint skipped: {problem}")
     if problems:
-        dist.warn0(world, f"resuming from the previous checkpoint, {ckpt.path.name}")
+        dist.warn0(world, f"resuming from {ckpt.path.name}, the newest intact checkpoint")
     return ckpt
 
 
