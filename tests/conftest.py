@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from sdp.compare import torchrun_command
 
 # The tiny model of each family and a dataset of its kind, shared by the SDP tests.
@@ -17,6 +19,16 @@ TINY_MODELS = {
 }
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
 os.environ.update(OFFLINE_ENV)
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A gloo process group of one, in this process (collective code without torchrun)."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()
 
 
 def launch(overrides: list[str], *, nproc: int = 2, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 from sdp.metrics.comm import CommCounter
@@ -14,13 +13,6 @@ from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.trainer import NonFiniteStep, PhaseTimer, TrainerConfig, train_step
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def group(tmp_path):
-    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    tdist.destroy_process_group()
 
 
 def _setup():

@@ -79,11 +79,6 @@ def complete_checkpoints(run_dir: Path, problems: list[str] | None = None) -> li
     return sorted(out, key=lambda c: c.step)
 
 
-def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
 def first_difference(a, b, prefix: str = "") -> str | None:
     """The first dotted key where two nested config containers differ, as 'key: old -> new'."""
     if isinstance(a, dict) and isinstance(b, dict):

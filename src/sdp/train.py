@@ -104,30 +104,32 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume
 LAUNCH_RECORD = "launch.json"
 
 
+def _restart_of() -> str | None:
+    """The torchrun job's rendezvous id when this launch is one of its restarts, else None."""
+    run_id = dist.elastic_run_id()
+    return run_id if run_id and dist.restart_count() > 0 else None
+
+
+def _launched_by(run_dir: Path) -> str | None:
+    """The rendezvous id of the torchrun job that made `run_dir` (its launch.json), if any."""
+    try:
+        return json.loads((run_dir / LAUNCH_RECORD).read_text()).get("torchelastic_run_id")
+    except (OSError, ValueError):
+        return None
+
+
 def restarted_job(run_dir: Path) -> bool:
     """Whether this launch is a torchrun restart of the job that created `run_dir`."""
-    run_id = dist.elastic_run_id()
-    if not run_id or dist.restart_count() == 0:
-        return False
-    try:
-        return json.loads((run_dir / LAUNCH_RECORD).read_text()).get("torchelastic_run_id") == run_id
-    except (OSError, ValueError):
-        return False
+    run_id = _restart_of()
+    return run_id is not None and _launched_by(run_dir) == run_id
 
 
 def elastic_run_dir(cfg: RunConfig) -> str | None:
     """On a torchrun restart: the run dir under output_root that this job's first attempt made."""
-    run_id = dist.elastic_run_id()
-    if not run_id or dist.restart_count() == 0:
+    run_id, root = _restart_of(), Path(cfg.output_root)
+    if run_id is None or not root.is_dir():
         return None
-    root = Path(cfg.output_root)
-    for record in sorted(root.glob(f"*/{LAUNCH_RECORD}"), reverse=True) if root.is_dir() else []:
-        try:
-            if json.loads(record.read_text()).get("torchelastic_run_id") == run_id:
-                return str(record.parent)
-        except (OSError, ValueError):
-            continue
-    return None
+    return next((str(d) for d in sorted(root.iterdir(), reverse=True) if _launched_by(d) == run_id), None)
 
 
 class StopSignals:

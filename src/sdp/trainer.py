@@ -274,7 +274,7 @@ def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | No
         grads_ok = torch.isfinite(norm.float())
     else:
         grads = [local(p.grad) for p in strategy.trainable() if p.grad is not None]
-        grads_ok = torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else torch.tensor(True)
+        grads_ok = torch.nn.utils.get_total_norm(grads).isfinite() if grads else torch.tensor(True)
     flags = torch.stack([~torch.isfinite(loss), ~grads_ok.to(loss.device)]).float()
     if dist.all_reduce_(flags, op="max").sum().item() == 0:
         return
