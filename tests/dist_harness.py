@@ -25,7 +25,7 @@ from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import forward_loss
+from sdp.trainer import PhaseTimer, TrainerConfig, forward_loss, train_step
 
 CPU = torch.device("cpu")
 
@@ -39,7 +39,16 @@ def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
     return {"inputs": torch.randn(n, 3, 32, 32, generator=g), "targets": torch.randint(0, 10, (n,), generator=g)}
 
 
-def make(family: str, masking: MaskingConfig | None, comm: CommCounter, *, ac: str = "none", fsdp: bool = False):
+def make(
+    family: str,
+    masking: MaskingConfig | None,
+    comm: CommCounter,
+    *,
+    ac: str = "none",
+    fsdp: bool = False,
+    overlap: bool = True,
+    autocast: torch.dtype | None = None,
+):
     cfg = tiny_model_cfg(family)
     torch.manual_seed(0)
 
@@ -63,6 +72,8 @@ def make(family: str, masking: MaskingConfig | None, comm: CommCounter, *, ac: s
         bucket_cap_mb=1,
         make_plain=lambda: build_model(cfg),
         prepare=checkpointing,
+        overlap=overlap,
+        autocast_dtype=autocast,
     )
 
 
@@ -237,19 +248,24 @@ def sharded() -> dict:
             shapes = {n: p.shape for n, p in build_model(cfg).named_parameters()}
         out[family] = {}
         for gran, masking in SHARDED_MASKINGS.items():
-            torch.manual_seed(0)
-            sdp = ShardedSDPStrategy(
-                build_model(cfg),
-                masking,
-                family=family,
-                rank=rank,
-                world_size=dist.get_world_size(),
-                parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
-                device=CPU,
-                comm=CommCounter(),
-                bucket_cap_mb=1,
-                make_plain=lambda cfg=cfg: build_model(cfg),
-            )
+
+            def sharded_sdp(overlap: bool, cfg=cfg, family=family, masking=masking) -> ShardedSDPStrategy:
+                torch.manual_seed(0)
+                return ShardedSDPStrategy(
+                    build_model(cfg),
+                    masking,
+                    family=family,
+                    rank=rank,
+                    world_size=dist.get_world_size(),
+                    parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
+                    device=CPU,
+                    comm=CommCounter(),
+                    bucket_cap_mb=1,
+                    make_plain=lambda: build_model(cfg),
+                    overlap=overlap,
+                )
+
+            sdp = sharded_sdp(True)
             optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
             full = {k: v.detach().clone() for k, v in sdp.full_parameters().items()}
             if rank == 0 and family in SHARDED_FAMILIES:
@@ -259,6 +275,10 @@ def sharded() -> dict:
                 "bytes": gathered([sdp.memory(optimizer), predicted]),
                 "replicated": sdp.describe()["replicated_params"],
             }
+            if family in SHARDED_FAMILIES:  # the serial reference, from the same start
+                serial = sharded_sdp(False)
+                train(serial, family, steps=3, optim=SHARDED_OPTIM)
+                out[family][gran]["overlap_vs_serial"] = max(gathered(max_diff(full, serial.full_parameters())))
     return out
 
 
@@ -419,7 +439,94 @@ def _predicted_held(sdp: SDPStrategy, family: str, rank: int) -> int:
 
 
 def holders() -> dict:
-    return {f"{family}-{gran}": holders_check(family, gran) for family in TINY_MODELS for gran in ("neuron", "block")}
+    out = {f"{family}-{gran}": holders_check(family, gran) for family in TINY_MODELS for gran in ("neuron", "block")}
+    out["overlap"] = overlap_checks()
+    return out
+
+
+def trainer_steps(
+    strategy, family: str, *, steps: int, accum: int = 1, trace: list | None = None
+) -> torch.optim.Optimizer:
+    """`steps` steps of the trainer's own train_step (clipping at 1.0, the NaN/Inf guard, `accum`
+    micro-batches of 2 samples), then a resample where the mask asks for one, as the loop does.
+    With `trace`, the collectives of the first two steps are recorded into it."""
+    rank = dist.get_rank()
+    optimizer = build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
+    cfg = TrainerConfig(grad_accum_steps=accum, grad_clip=1.0, on_nonfinite="stop")
+    micro = 4 // accum
+    strategy.model.train()
+    for step in range(1, steps + 1):
+        strategy.trace_collectives(trace if step <= 2 else None)
+        whole = batch(family, rank, step)
+        parts = iter([{k: v[i * micro : (i + 1) * micro] for k, v in whole.items()} for i in range(accum)])
+        train_step(strategy, optimizer, parts, cfg=cfg, micro=micro, device=CPU, timer=PhaseTimer(CPU))
+        if step < steps and strategy.resample(step, optimizer):
+            strategy.model.train()
+    strategy.trace_collectives(None)
+    return optimizer
+
+
+# Overlapped against serial averaging: (family, mode, granularity, extra settings) of each check.
+OVERLAP_CASES = [
+    *[(f, m, g, {}) for f in TINY_MODELS for m in ("backward", "forward") for g in ("neuron", "block")],
+    ("llama", "backward", "neuron", {"ac": "full"}),
+    ("llama", "forward", "neuron", {"ac": "selective"}),
+    ("llama", "backward", "neuron", {"autocast": torch.bfloat16}),
+    ("llama", "forward", "block", {"autocast": torch.bfloat16}),
+    ("swin", "backward", "neuron", {"accum": 2}),
+    ("resnet", "forward", "neuron", {"accum": 2}),
+    ("llama", "backward", "neuron", {"resample_every": 2}),
+    ("llama", "forward", "neuron", {"resample_every": 2}),
+]
+
+
+def _case_name(family: str, mode: str, gran: str, extra: dict) -> str:
+    return "-".join([family, mode, gran, *(f"{k}={v}" for k, v in extra.items())]).replace("torch.", "")
+
+
+def overlap_check(family: str, mode: str, gran: str, extra: dict) -> dict:
+    """K = 4, C = 0.5: three steps overlapped and three serial from the same start; the
+    parameters and every unit's optimizer state afterwards, and the overlapped run's order
+    of collectives over its first two steps."""
+    extra = dict(extra)
+    accum, every = extra.pop("accum", 1), extra.pop("resample_every", 0)
+    masking = MaskingConfig(name=mode, granularity=gran, coverage=0.5, resample_every=every)
+    runs, trace = {}, []
+    for overlap in (True, False):
+        sdp = make(family, masking, CommCounter(), overlap=overlap, **extra)
+        optimizer = trainer_steps(sdp, family, steps=3, accum=accum, trace=trace if overlap else None)
+        state, _ = _state(sdp, optimizer)
+        runs[overlap] = ({k: v.detach().clone() for k, v in sdp.full_parameters().items()}, state)
+    (p_on, s_on), (p_off, s_off) = runs[True], runs[False]
+    return {
+        "params_diff": max(gathered(max_diff(p_on, p_off))),
+        "state_diff": max(gathered(max_diff(s_on, s_off))),
+        "state_nonzero": min(gathered(min(t.abs().sum().item() for t in s_off.values()))),
+        "trace": gathered([[list(g) if isinstance(g, tuple) else g, k, i] for g, k, i in trace]),
+    }
+
+
+def wrong_order_trace() -> list:
+    """The collectives of two overlapped steps with rank 1 launching in a deliberately wrong
+    order (the world's buckets before every other): gloo runs it, NCCL could deadlock."""
+    from sdp.subnet import sync
+
+    key = sync.Bucket.order_key
+    if dist.get_rank() == 1:
+        sync.Bucket.order_key = property(lambda b: (-len(b.holders), -b.ready_at, b.holders, b.kind, b.index))
+    try:
+        sdp = make("llama", MaskingConfig(name="forward", coverage=0.5), CommCounter())
+    finally:
+        sync.Bucket.order_key = key
+    trace = []
+    trainer_steps(sdp, "llama", steps=2, trace=trace)
+    return gathered([[list(g) if isinstance(g, tuple) else g, k, i] for g, k, i in trace])
+
+
+def overlap_checks() -> dict:
+    out = {_case_name(*case): overlap_check(*case) for case in OVERLAP_CASES}
+    out["wrong_order"] = wrong_order_trace()
+    return out
 
 
 if __name__ == "__main__":

@@ -278,6 +278,7 @@ def save_checkpoint(
     Returns the checkpoint's directory, or None when a rank could not write its part (a full
     disk, say): then the partial directory is removed, the checkpoints before it are kept,
     rank 0 prints one warning naming the rank and the error, and training goes on."""
+    strategy.settle()  # what is saved must be current (an overlapped weight refresh is finished)
     final = _step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".partial")
     error = None

@@ -194,6 +194,7 @@ def build_strategy(
         make_plain=make_plain,
         prepare=checkpointing,
         epoch=mask_epoch,
+        overlap=par.overlap_comm,
     )
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
@@ -296,7 +297,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             seed=cfg.seed,
             start_batch=start_step * cfg.trainer.grad_accum_steps,
         )
-        comm = CommCounter()
+        comm = CommCounter(device)
         strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
         # Initial weights were drawn alike on every rank; from here on each rank draws its own
         # dropout, drop-path and baseline masks.

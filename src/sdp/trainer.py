@@ -18,7 +18,7 @@ from tqdm import tqdm
 from sdp import dist
 from sdp.data import DataBundle
 from sdp.errors import ConfigError, RunFailed
-from sdp.metrics.comm import CommCounter
+from sdp.metrics.comm import CommCounter, exposed_comm
 from sdp.metrics.flops import flop_counter, peak_flops
 from sdp.metrics.logger import RunLogger, write_json_atomic
 from sdp.metrics.memory import LivePeak, cuda_peaks, local
@@ -432,7 +432,7 @@ def train(
             resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
             if resampled:
                 strategy.model.train()
-            comm.end_step()
+            comm.end_step(timed=not profiling)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if not profiling:
@@ -494,11 +494,9 @@ def train(
         "peak_breakdown": peak,
         **cuda_peaks(device),
     }
-    gathered = dist.gather_objects((local, flops))
-    per_rank = [mem for mem, _ in gathered]
-    flops_max = max((f for _, f in gathered if f is not None), default=None)
-    per_step = comm.per_step()
-    comm_max = _max_over_ranks({**per_step, "total": sum(per_step.values())}, device=device)
+    gathered = dist.gather_objects((local, flops, comm.waits()))
+    per_rank = [mem for mem, _, _ in gathered]
+    flops_max = max((f for _, f, _ in gathered if f is not None), default=None)
     out = {
         "steps": stopped_at or cfg.max_steps,
         "stopped_at": stopped_at,
@@ -518,9 +516,7 @@ def train(
         "flops_per_step_per_rank": flops_max,
         "memory": _busiest(per_rank),
         "memory_per_rank": per_rank,
-        # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
-        "comm_bytes_per_step": comm_max.pop("total"),
-        "comm_bytes_per_step_by_kind": comm_max,
+        **_comm_summary(comm, strategy, [w for _, _, w in gathered], device=device),
     }
     top = peak_flops(device, precision)
     if top and flops and step_time:
@@ -560,6 +556,27 @@ def nonfinite_step(
     raise Diverged(
         f"step {step}: {why}{bad}; the update was not applied (diagnostic: nonfinite_step_{step}.json); {then}"
     ) from None
+
+
+def _comm_summary(comm: CommCounter, strategy: Strategy, waits: list, *, device: torch.device) -> dict:
+    """summary.json's communication entries, from every rank's counter (collective); `waits`
+    is every rank's `comm.waits()`."""
+    per_step = comm.per_step()
+    counters = {**per_step, "total": sum(per_step.values()), "comm_groups": strategy.comm_groups()}
+    busiest = _max_over_ranks(counters, device=device)
+    exposed, waited = exposed_comm(waits)
+    return {
+        # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
+        "comm_bytes_per_step": busiest.pop("total"),
+        # The busiest rank's process groups (with NCCL, communicators), the world included.
+        "comm_groups_per_rank": int(busiest.pop("comm_groups")),
+        "comm_bytes_per_step_by_kind": busiest,
+        # Waiting for gradient averaging and weight refresh after the compute, mean s per step:
+        # the part no rank could hide, and the busiest rank's, peers' drift included (see
+        # metrics.comm.exposed_comm; None where not measured: FSDP waits inside its own hooks).
+        "exposed_comm_s": exposed,
+        "comm_wait_s": waited,
+    }
 
 
 def _busiest(per_rank: list[dict]) -> dict:

@@ -23,6 +23,7 @@ after a mask resample the old subnetwork would never be freed.)
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -32,6 +33,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 PEAK_KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
+_ALLOCATING: list[str] = []  # kinds declared by `allocating`, innermost last
+
+
+@contextlib.contextmanager
+def allocating(kind: str):
+    """Storages made inside count as `kind` in a LivePeak (e.g. gradients that a strategy
+    writes back from its all-reduce buckets after the backward, which the tracker would
+    otherwise take for activations)."""
+    if kind not in PEAK_KINDS:
+        raise ValueError(f"unknown memory kind {kind!r}; known: {', '.join(PEAK_KINDS)}")
+    _ALLOCATING.append(kind)
+    try:
+        yield
+    finally:
+        _ALLOCATING.pop()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +151,10 @@ class LivePeak(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # The optimizer's scratch is temporary; the state it keeps is relabelled after its step.
         in_backward = torch._C._current_graph_task_id() != -1
-        kind = "temporaries" if self._in_optimizer or in_backward else "activations"
+        if _ALLOCATING:
+            kind = _ALLOCATING[-1]
+        else:
+            kind = "temporaries" if self._in_optimizer or in_backward else "activations"
         for t in tree_flatten(out)[0]:
             self._register(t, kind)
         return out

@@ -31,6 +31,10 @@ class ParallelConfig:
     name: str = "ddp"  # ddp | fsdp (FSDP2)
     backend: str = "auto"  # auto | gloo | nccl
     bucket_cap_mb: int = 25
+    # SDP: average gradients in buckets launched during the backward (post-accumulate-grad
+    # hooks, one global launch order) and overlap backward masking's weight refresh with the
+    # next forward; false: both after the compute, one bucket at a time (the reference).
+    overlap_comm: bool = True
     activation_checkpointing: str = "none"  # none | full | selective, per block
     # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
     mixed_precision: str = "fp32"
@@ -128,6 +132,14 @@ class Strategy:
     def after_step(self) -> None:
         """Called after every optimizer step."""
 
+    def settle(self) -> None:
+        """Finish communication still in flight that the model's values depend on (backward
+        masking's overlapped weight refresh): before they are read from outside a forward."""
+
+    def comm_groups(self) -> int:
+        """Process groups (with NCCL: communicators) this rank is a member of, the world included."""
+        return 1
+
     def resample(self, step: int, optimizer: torch.optim.Optimizer) -> bool:
         """Called after optimizer step `step` (not the last): a strategy that changes which
         tensors this rank trains rebuilds `model` and re-points `optimizer`, and returns True."""
@@ -187,6 +199,21 @@ class DDPStrategy(Strategy):
             gradient_as_bucket_view=True,
         )
         self.model.register_comm_hook(comm, _counting_allreduce_hook)
+        # Exposed communication: from the last gradient the backward makes to the end of
+        # backward(), where DDP's reducer waits for its last buckets.
+        self.comm, self._last_grad = comm, None
+        comm.track_waits()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_made)
+
+    def _grad_made(self, p) -> None:
+        self._last_grad = self.comm.start()
+
+    def after_backward(self) -> None:
+        if self._last_grad is not None:
+            self.comm.stop(self._last_grad)
+            self._last_grad = None
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.plain.parameters() if p.requires_grad]

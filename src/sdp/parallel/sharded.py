@@ -51,33 +51,11 @@ from sdp.metrics.memory import local
 from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
 from sdp.subnet.apply import named_tensors
+from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, shard_dims
 from sdp.subnet.resample import HOST, place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
-from sdp.subnet.units import UnitSpec, blocks
-
-REPLICATED = None  # shard_dims value of a tensor kept whole on each rank of its worker
-
-
-def shard_dims(spec: UnitSpec, shapes: dict[str, torch.Size], fsdp_degree: int) -> dict[str, int | None]:
-    """For every neuron-sliced parameter: the dimension FSDP shards it along (REPLICATED: none).
-
-    A dimension SDP does not slice has the same size on every worker, so shard f
-    covers the same positions on every holder. Parameters not listed (shared
-    tensors, block units) take FSDP's default, dim 0.
-    """
-    out: dict[str, int | None] = {}
-    for group in spec.groups:
-        for s in group.slices:
-            if s.dim is None or s.is_buffer or s.name not in shapes:
-                continue
-            shape = shapes[s.name]
-            if s.dim != 0:
-                out[s.name] = 0
-                continue
-            even = [j for j in range(1, len(shape)) if shape[j] % fsdp_degree == 0]
-            out[s.name] = max(even, key=lambda j: (shape[j], -j)) if even else REPLICATED
-    return out
+from sdp.subnet.units import blocks
 
 
 class ShardedSDPStrategy(SDPStrategy):
@@ -86,12 +64,18 @@ class ShardedSDPStrategy(SDPStrategy):
     def __init__(self, model: nn.Module, cfg, *, family: str, rank: int, world_size: int, parallel, **kwargs):
         f = parallel.fsdp_degree
         self.fsdp_degree, self.shard, self.family, self.parallel = f, rank % f, family, parallel
-        self.fsdp_mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))["fsdp"]
+        self.mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))
+        self.fsdp_mesh = self.mesh["fsdp"]
         super().__init__(model, cfg, family=family, rank=rank, world_size=world_size // f, **kwargs)
         # FSDP's policy casts the sharded weights to bf16; replicated ones (biases of held
         # neurons) stay fp32 and would meet bf16 activations: autocast casts them.
         if parallel.mixed_precision == "bf16" and self.replicated:
             self.autocast_dtype = torch.bfloat16
+
+    def comm_groups(self) -> int:
+        # The mesh's two dimensions are a group each (every rank is in one of each), besides
+        # the holder sets' groups of this rank's shard index.
+        return super().comm_groups() + sum(1 for d in self.mesh.mesh_dim_names if self.mesh[d].size() > 1)
 
     @property
     def worker(self) -> int:
@@ -107,18 +91,11 @@ class ShardedSDPStrategy(SDPStrategy):
         return {n for n, d in self.shard_dims.items() if d is REPLICATED}
 
     def _ranks(self, workers: tuple[int, ...], shard: int | None) -> tuple[int, ...]:
-        """The ranks of `workers` that hold shard `shard` (None: all their ranks)."""
-        shards = range(self.fsdp_degree) if shard is None else [shard]
-        return tuple(w * self.fsdp_degree + f for w in workers for f in shards)
+        return ranks_of(workers, shard, fsdp_degree=self.fsdp_degree)
 
     def _register_groups(self, holder_sets) -> None:
-        # Every rank takes part in creating every group, for every shard index (and, when
-        # some tensors are replicated, for all ranks of the holder workers), in the same order.
-        holder_sets = list(holder_sets)
-        sets = [self._ranks(hs, f) for hs in holder_sets for f in range(self.fsdp_degree)]
-        if self.replicated:
-            sets += [self._ranks(hs, None) for hs in holder_sets]
-        self.groups.add(sets)
+        # Every rank takes part in creating every group, in the same order.
+        self.groups.add(rank_sets(holder_sets, fsdp_degree=self.fsdp_degree, replicated=bool(self.replicated)))
 
     def _finish_subnet(self) -> list[GradEntry]:
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -254,16 +254,13 @@ def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank
         if ch.dim is None:
             mine = whole if rank == ch.source else None
             dst = None if rank in ch.holders else whole
-            refresh.append(Transfer(ch.source, full_of[ch.tensor].numel(), mine, dst))
+            refresh.append(Transfer(ch.source, full_of[ch.tensor].numel(), mine, dst, ch.tensor, ch.group))
             continue
         row = shapes[ch.tensor].numel() // shapes[ch.tensor][ch.dim]
         for start, n in ch.ranges:
             piece = Piece(full_of[ch.tensor], ch.dim, start, n)
-            refresh.append(
-                Transfer(
-                    ch.source, row * n, piece if rank == ch.source else None, None if rank in ch.holders else piece
-                )
-            )
+            src, dst = piece if rank == ch.source else None, None if rank in ch.holders else piece
+            refresh.append(Transfer(ch.source, row * n, src, dst, ch.tensor, ch.group))
     trainable = [p for p in model.parameters() if p.requires_grad]
     subnet = Subnet(model, trainable, _coalesce(entries), weight_tensors=weight_tensors, refresh=refresh)
     return subnet, chunks

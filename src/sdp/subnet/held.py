@@ -43,7 +43,8 @@ class _HeldLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
+        # Under autocast the forward computed in grad_y's dtype (bf16): so does the backward.
+        x, weight = (t.to(grad_y.dtype) for t in ctx.saved_tensors)
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_b = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         g2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -65,7 +66,7 @@ class _HeldConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
+        x, weight = (t.to(grad_y.dtype) for t in ctx.saved_tensors)
         stride, padding, dilation, groups = ctx.conv
         grad_x = None
         if ctx.needs_input_grad[0]:

@@ -22,9 +22,11 @@ from sdp.subnet.apply import (
     forward_assembly,
     named_tensors,
 )
+from sdp.subnet.groups import HolderGroups
 from sdp.subnet.mask import Mask, build_mask, mask_stats
+from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
-from sdp.subnet.sync import GradSync, HolderGroups, Transfer, broadcast_from_holders
+from sdp.subnet.sync import GradSync, Transfer, broadcast_from_holders
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
@@ -85,11 +87,14 @@ class SDPStrategy(Strategy):
         prepare: Callable[[nn.Module], object] | None = None,
         autocast_dtype: torch.dtype | None = None,
         epoch: int = 0,
+        overlap: bool = True,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
         `make_plain` builds a full plain model on `device`, which assembly overwrites;
         `prepare` is applied to every subnetwork this rank trains (activation checkpointing);
-        `epoch` is the mask epoch to start in (a resumed run's)."""
+        `epoch` is the mask epoch to start in (a resumed run's); `overlap`
+        (parallelism.overlap_comm) overlaps gradient averaging with the backward and
+        backward masking's weight refresh with the next forward."""
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain, self.prepare = bucket_cap_mb, make_plain, prepare
         self.autocast_dtype = autocast_dtype
@@ -102,6 +107,10 @@ class SDPStrategy(Strategy):
         self.full_params = sum(s.numel() for s in self.shapes.values())
         self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
         self.plain_names = list(self.shapes)
+        # A tensor's place in the plain model: the order buckets are filled and launched in.
+        self.position = {n: i for i, n in enumerate(self.plain_names)}
+        self.overlap, self.sync, self.refresh, self._trace = overlap, None, None, None
+        comm.track_waits()
         self.groups = HolderGroups([], world_size=torch.distributed.get_world_size())
         self._register_groups([tuple(range(world_size))])
         self._install(model)
@@ -124,9 +133,37 @@ class SDPStrategy(Strategy):
         if self.prepare is not None:
             self.prepare(self.model)
         self._register_groups(self.mask.holder_sets())
+        for old in (self.sync, self.refresh):  # the last subnetwork's, after a resample
+            if old is not None:
+                old.remove_hooks()
         self.sync = GradSync(
-            self._finish_subnet(), groups=self.groups, comm=self.comm, bucket_cap_mb=self.bucket_cap_mb
+            self._finish_subnet(),
+            groups=self.groups,
+            comm=self.comm,
+            bucket_cap_mb=self.bucket_cap_mb,
+            position=self.position,
+            overlap=self.overlap,
         )
+        self.refresh = None
+        if self.overlap and self.subnet.refresh:
+            self.refresh = WeightRefresh(
+                self.subnet.refresh,
+                model=self.model,
+                position=self.position,
+                rank=self.rank,
+                comm=self.comm,
+                bucket_cap_mb=self.bucket_cap_mb,
+                device=self.device,
+            )
+        self.trace_collectives(self._trace)
+
+    def trace_collectives(self, trace: list | None) -> None:
+        """Record every gradient all-reduce and weight-refresh broadcast this rank issues, in
+        issue order, into `trace` (None: stop), as (holder set or "world", kind, bucket)."""
+        self._trace = trace
+        self.sync.trace = trace
+        if self.refresh is not None:
+            self.refresh.trace = trace
 
     # Hooks for SDP x FSDP (sdp.parallel.sharded), where a worker is a group of ranks.
 
@@ -158,6 +195,7 @@ class SDPStrategy(Strategy):
         every = self.cfg.resample_every
         if not every or step % every:
             return False
+        self.settle()
         state, scalars = gather_state(
             self._optimizer_view(optimizer),
             self.subnet.grad_entries,
@@ -216,8 +254,19 @@ class SDPStrategy(Strategy):
     def trainable(self) -> list[nn.Parameter]:
         return self.subnet.trainable
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync.active = False  # gradients accumulate; the hooks launch nothing
+        try:
+            yield
+        finally:
+            self.sync.active = True
+
     def after_backward(self) -> None:
-        self.sync()
+        if self.refresh is not None:
+            self.refresh.wait_all()  # the forward waited for every piece it read; nothing is left
+        with self.comm.waiting():
+            self.sync()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self.sync.global_norm(rank=self.rank)
@@ -225,18 +274,29 @@ class SDPStrategy(Strategy):
         return norm
 
     def after_step(self) -> None:
-        if self.subnet.refresh:
-            broadcast_from_holders(
-                self.subnet.refresh,
-                rank=self.rank,
-                comm=self.comm,
-                kind="weight_refresh",
-                bucket_cap_mb=self.bucket_cap_mb,
-                device=self.device,
-            )
+        if self.refresh is not None:
+            self.refresh.start()  # the next forward waits for each module's pieces
+        elif self.subnet.refresh:
+            with self.comm.waiting():
+                broadcast_from_holders(
+                    self.subnet.refresh,
+                    rank=self.rank,
+                    comm=self.comm,
+                    kind="weight_refresh",
+                    bucket_cap_mb=self.bucket_cap_mb,
+                    device=self.device,
+                )
+
+    def settle(self) -> None:
+        if self.refresh is not None:
+            self.refresh.wait_all()
+
+    def comm_groups(self) -> int:
+        return 1 + self.groups.joined(self.rank)
 
     @contextlib.contextmanager
     def eval_model(self):
+        self.settle()
         if self.cfg.name == "backward":
             transfers = backward_buffer_sync(self.model, self.spec, self.chunks, rank=self.rank)
             broadcast_from_holders(
@@ -277,6 +337,7 @@ class SDPStrategy(Strategy):
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the plain model by its plain name, current on every rank (collective)."""
+        self.settle()
         if self.cfg.name == "forward":
             return dict(self.assemble(fold_eval_scale=False).named_parameters())
         out = {}

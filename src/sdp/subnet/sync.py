@@ -1,43 +1,24 @@
-"""Communication among holders: gradient averaging, weight refresh, assembly.
+"""Communication among holders: gradient averaging and the broadcasts of weight refresh,
+assembly and resampling.
 
-One process group per distinct holder set, created once, in the same order
-on every rank (torch requires every rank to take part in every `new_group`).
 Gradients are averaged among a unit's holders only: all_reduce(SUM) over the
-holder set's group, then division by the number of holders.
+holder set's process group (`sdp.subnet.groups`), then division by the number
+of holders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.memory import local
-
-
-class HolderGroups:
-    """Process groups for holder sets; a single holder needs none, all workers use WORLD."""
-
-    def __init__(self, holder_sets: Iterable[tuple[int, ...]], *, world_size: int):
-        self.world_size = world_size
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        self.add(holder_sets)
-
-    def add(self, holder_sets: Iterable[tuple[int, ...]]) -> None:
-        """Create the groups of holder sets not seen yet (collective: every rank, same sets)."""
-        for hs in sorted(set(holder_sets) - self._groups.keys(), key=lambda s: (len(s), s)):
-            if len(hs) == self.world_size:
-                self._groups[hs] = dist.group.WORLD
-            elif len(hs) > 1:
-                self._groups[hs] = dist.new_group(list(hs))
-            else:
-                self._groups[hs] = None
-
-    def get(self, holders: tuple[int, ...]):
-        return self._groups[holders]
+from sdp.metrics.memory import allocating, local
+from sdp.subnet.groups import HolderGroups
 
 
 @dataclass(frozen=True)
@@ -71,7 +52,7 @@ class GradEntry:
     full_start: int = 0
 
 
-def _buckets(items: list, *, numel: Callable, cap_elems: int):
+def split_by_size(items: list, *, numel: Callable, cap_elems: int):
     """Consecutive runs of `items` of at most cap_elems elements (an item larger than the cap is alone)."""
     bucket, size = [], 0
     for item in items:
@@ -85,10 +66,88 @@ def _buckets(items: list, *, numel: Callable, cap_elems: int):
         yield bucket
 
 
-class GradSync:
-    """Average each trainable piece's gradient over its holders, bucketed per holder set.
+# DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so the first
+# all-reduce starts early in the backward.
+FIRST_BUCKET_BYTES = 2**20
 
-    Each entry's `piece.tensor` is a trainable parameter of this rank.
+
+def _local_numel(piece: Piece) -> int:
+    """Elements of the piece this rank stores (of its shard, for an FSDP parameter)."""
+    return piece.view(local(piece.tensor)).numel()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradient pieces of one holder set averaged by one all-reduce of a flat buffer.
+
+    Every holder of the set builds the same buckets (the same pieces, in plain-model
+    coordinates, in the same order), so their flat buffers line up entry for entry.
+    """
+
+    holders: tuple[int, ...]
+    kind: str
+    index: int  # its place among the buckets of (holders, kind)
+    entries: tuple[GradEntry, ...]
+    offsets: tuple[int, ...]  # of each entry in the flat buffer
+    numel: int
+    ready_at: int  # plain-model position of its first tensor: it is complete when that one's gradient is
+
+    @property
+    def order_key(self) -> tuple:
+        """The bucket's place in the one launch order every rank shares. The backward
+        produces gradients from the last tensor to the first, so a bucket whose earliest
+        tensor comes later in the model is complete sooner."""
+        return (-self.ready_at, len(self.holders), self.holders, self.kind, self.index)
+
+
+def plan_buckets(
+    entries: list[GradEntry], *, position: Mapping[str, int], cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES
+) -> list[Bucket]:
+    """Flat buckets of every holder set among `entries`, in launch order.
+
+    A holder set's pieces are taken in the order the backward produces them (the reverse
+    of `position`, a plain-model name's place in the plain model, the same on every rank)
+    and cut into buckets of `first_bytes` for the first and `cap_bytes` for the others,
+    as DDP does. The result is sorted by `Bucket.order_key`: every rank's list is the
+    subsequence of one global order made of the holder sets it belongs to.
+    """
+    by_set: dict[tuple, list[GradEntry]] = {}
+    for e in entries:
+        by_set.setdefault((e.holders, e.kind), []).append(e)
+    out = []
+    for (holders, kind), members in by_set.items():
+        members = sorted(members, key=lambda e: (-position[e.name], e.full_start))
+        index, bucket, size = 0, [], 0
+        for e in [*members, None]:
+            n = 0 if e is None else _local_numel(e.piece)
+            cap = first_bytes if index == 0 else cap_bytes
+            if bucket and (e is None or (size + n) * e.piece.tensor.element_size() > cap):
+                offsets = tuple(itertools.accumulate([_local_numel(b.piece) for b in bucket[:-1]], initial=0))
+                ready = min(position[b.name] for b in bucket)
+                out.append(Bucket(holders, kind, index, tuple(bucket), offsets, size, ready))
+                index, bucket, size = index + 1, [], 0
+            if e is not None:
+                bucket.append(e)
+                size += n
+    return sorted(out, key=lambda b: b.order_key)
+
+
+class GradSync:
+    """Average each trainable piece's gradient over its holders, one flat all-reduce per bucket.
+
+    Each entry's `piece.tensor` is a trainable parameter of this rank. With `overlap`,
+    a post-accumulate-grad hook copies a tensor's pieces into their buckets as soon as its
+    gradient is made, and a bucket's all-reduce is launched (asynchronously) once it is
+    complete and every bucket before it in this rank's launch order is launched: every
+    rank issues its collectives in one global order (NCCL needs that across communicators).
+    Calling the object waits for them all and writes the averages back into `.grad`.
+    Without `overlap` (the reference) the same buckets are averaged after the backward,
+    one at a time. Both give the same bits: the same buffers go through the same
+    all-reduces.
+
+    A tensor whose gradient lies wholly in buckets (and is not an FSDP shard) drops its
+    `.grad` once copied in and gets it back from the averaged buckets, so the gradients
+    are held once, not twice, while the all-reduces are in flight.
     """
 
     def __init__(
@@ -98,39 +157,131 @@ class GradSync:
         groups: HolderGroups,
         comm: CommCounter,
         bucket_cap_mb: int,
+        position: Mapping[str, int],
+        overlap: bool = False,
     ):
-        self.groups, self.comm = groups, comm
-        self.cap_elems = bucket_cap_mb * 2**20 // 4
-        by_key: dict[tuple, list[Piece]] = {}
-        for e in entries:
-            by_key.setdefault((e.holders, e.kind), []).append(e.piece)
-        self.plan = sorted(by_key.items(), key=lambda kv: (len(kv[0][0]), kv[0][0], kv[0][1]))
+        self.entries, self.groups, self.comm, self.overlap = entries, groups, comm, overlap
+        plan = plan_buckets(entries, position=position, cap_bytes=bucket_cap_mb * 2**20)
+        # A single holder's gradient is already its average: no bucket.
+        self.buckets = [b for b in plan if groups.get(b.holders) is not None]
+        self.active = True  # False on micro-batches before the last one of a step
+        self.trace: list | None = None  # when a list: every launch as (holders, kind, index)
+        self._slots: dict[int, list[tuple[int, GradEntry, int]]] = {}
+        for i, b in enumerate(self.buckets):
+            for e, offset in zip(b.entries, b.offsets, strict=True):
+                self._slots.setdefault(id(e.piece.tensor), []).append((i, e, offset))
+        self._movable = self._movable_tensors()
+        self._hooks = []
+        if overlap:
+            tensors = {id(e.piece.tensor): e.piece.tensor for e in entries}
+            self._hooks = [tensors[t].register_post_accumulate_grad_hook(self._on_grad) for t in self._slots]
+        self._reset()
+
+    def _movable_tensors(self) -> set[int]:
+        """Tensors (by id) whose whole gradient is in buckets: plain tensors, covered by synced pieces."""
+        covered: dict[int, int] = {}
+        for slots in self._slots.values():
+            for _, e, _ in slots:
+                covered[id(e.piece.tensor)] = covered.get(id(e.piece.tensor), 0) + _local_numel(e.piece)
+        unsynced = {id(e.piece.tensor) for e in self.entries if self.groups.get(e.holders) is None}
+        tensors = {id(e.piece.tensor): e.piece.tensor for e in self.entries}
+        return {
+            t
+            for t, n in covered.items()
+            if t not in unsynced and not isinstance(tensors[t], DTensor) and n == tensors[t].numel()
+        }
+
+    def _reset(self) -> None:
+        self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._works: list = [None] * len(self.buckets)
+        self._missing = [len(b.entries) for b in self.buckets]
+        self._hooked: set[int] = set()
+        self._next = 0  # the next bucket to launch, in this rank's launch order
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _flat(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        if self._flats[i] is None:
+            self._flats[i] = torch.empty(self.buckets[i].numel, dtype=like.dtype, device=like.device)
+        return self._flats[i]
+
+    def _copy_in(self, i: int, e: GradEntry, offset: int, grad: torch.Tensor | None) -> None:
+        src = e.piece.view(local(grad)) if grad is not None else None
+        flat = self._flat(i, local(e.piece.tensor))
+        dst = flat.narrow(0, offset, _local_numel(e.piece))
+        if src is None:  # no gradient reached this tensor: it contributes zeros, as under DDP
+            dst.zero_()
+        else:
+            dst.view(src.shape).copy_(src)
+        self._missing[i] -= 1
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: copy p's pieces into their buckets, launch what is ready."""
+        if not self.active:
+            return
+        if id(p) in self._hooked:
+            raise RuntimeError("a gradient was accumulated twice in one backward; overlapped averaging needs one")
+        self._hooked.add(id(p))
+        for i, e, offset in self._slots[id(p)]:
+            self._copy_in(i, e, offset, p.grad)
+        if id(p) in self._movable:
+            p.grad = None  # its values are in the buckets; written back once averaged
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        b, flat = self.buckets[i], self._flats[i]
+        self.comm.add(b.kind, flat.numel() * flat.element_size())
+        self._works[i] = dist.all_reduce(flat, group=self.groups.get(b.holders), async_op=True)
+        if self.trace is not None:
+            self.trace.append((b.holders, b.kind, b.index))
+        self._next = i + 1
+
+    def _fill(self, i: int) -> None:
+        """Copy into bucket i the gradients no hook brought (all of them without overlap)."""
+        for e, offset in zip(self.buckets[i].entries, self.buckets[i].offsets, strict=True):
+            if id(e.piece.tensor) not in self._hooked:
+                self._copy_in(i, e, offset, e.piece.tensor.grad)
+
+    def _write_back(self, i: int) -> None:
+        """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`."""
+        b, flat = self.buckets[i], self._flats[i]
+        self._works[i].wait()
+        flat.div_(len(b.holders))
+        with allocating("grads"):
+            for e, offset in zip(b.entries, b.offsets, strict=True):
+                p = e.piece.tensor
+                if p.grad is None:  # moved into the buckets by the hook
+                    p.grad = torch.empty_like(p)
+                view = e.piece.view(local(p.grad))
+                view.copy_(flat.narrow(0, offset, view.numel()).view(view.shape))
+        self._flats[i] = None
 
     def __call__(self) -> None:
-        for (holders, kind), pieces in self.plan:
-            group = self.groups.get(holders)
-            if group is None:  # a single holder: its gradient is already the average
-                continue
-            for bucket in _buckets(pieces, numel=lambda p: p.numel, cap_elems=self.cap_elems):
-                grads = [p.view(local(p.tensor.grad)) for p in bucket]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                self.comm.add(kind, flat.numel() * flat.element_size())
-                dist.all_reduce(flat, group=group)
-                flat.div_(len(holders))
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+        """Finish the step's averaging (collective); afterwards every `.grad` holds the average."""
+        if self.overlap:
+            for i in range(self._next, len(self.buckets)):  # buckets no hook completed
+                self._fill(i)
+                self._launch(i)
+            for i in range(len(self.buckets)):
+                self._write_back(i)
+        else:
+            for i in range(len(self.buckets)):
+                self._fill(i)
+                self._launch(i)
+                self._write_back(i)
+        self._reset()
 
     def global_norm(self, *, rank: int) -> torch.Tensor:
         """L2 norm of the whole model's averaged gradient: each piece counted once (by its first holder)."""
-        device = self.plan[0][1][0].tensor.device
+        device = local(self.entries[0].piece.tensor).device
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for (holders, _), pieces in self.plan:
-            if holders[0] != rank:
-                continue
-            for p in pieces:
-                total += p.view(local(p.tensor.grad)).double().pow(2).sum()
+        for e in self.entries:
+            if e.holders[0] == rank:
+                total += e.piece.view(local(e.piece.tensor.grad)).double().pow(2).sum()
         dist.all_reduce(total)
         return total.sqrt()
 
@@ -145,6 +296,8 @@ class Transfer:
     numel: int
     src: Piece | None
     dst: Piece | None
+    name: str = ""  # the plain-model tensor the values belong to (weight refresh)
+    site: int = -1  # the unit group they belong to (weight refresh: the forward waits per site)
 
 
 def broadcast_from_holders(
@@ -163,7 +316,7 @@ def broadcast_from_holders(
         by_source.setdefault(t.source, []).append(t)
     cap = bucket_cap_mb * 2**20 // 4
     for src in sorted(by_source):
-        for bucket in _buckets(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
+        for bucket in split_by_size(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
             if rank == src:
                 flat = torch.cat([t.src.view().reshape(-1) for t in bucket]).to(device=device, dtype=dtype)
                 if comm is not None:
