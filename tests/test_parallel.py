@@ -5,7 +5,7 @@ import torch
 from conftest import estimator_config, launch, load_model_pt, read_run, run_harness
 
 from sdp.errors import ConfigError
-from sdp.estimate import estimate
+from sdp.estimate import estimate, planned_groups
 from sdp.models import build_model
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 
@@ -169,6 +169,8 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
     # The memory table's SDP x FSDP rows come from the estimator: it predicts every rank's
     # static bytes exactly (both masks give every worker equal shares here).
     cfg = estimator_config(overrides, world_size=4)
+    # The world, the mesh's two groups, and shard f's group of the holder set of both workers.
+    assert summary["comm_groups_per_rank"] == max(planned_groups(cfg, world_size=4)) == 4
     # The real peak is at the root FSDP unit's reduce-scatter, where gloo (CPU) makes a copy of
     # its input, the unsharded gradient of the tensors outside the blocks (embeddings, head,
     # final norm); the estimator's fake process group, like NCCL, makes none.
@@ -212,6 +214,8 @@ def test_neuron_sdp_x_fsdp_bf16_traces_and_halves_the_static_bytes(family):
         ),
         (["parallelism.activation_checkpointing=some"], "parallelism.activation_checkpointing", "none, full"),
         (["parallelism.mixed_precision=fp16"], "parallelism.mixed_precision", "allowed: fp32, bf16"),
+        (["parallelism.max_comm_groups=0"], "parallelism.max_comm_groups", "must be >= 1 (the world's group)"),
+        (["parallelism.comm_group_overhead_mb=-1"], "parallelism.comm_group_overhead_mb", "must be >= 0"),
     ],
 )
 def test_bad_parallelism_is_one_clear_error(overrides, key, fragment):

@@ -61,6 +61,9 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert mem["optim_bytes"] - 8 * n in range(4, 4 * 1000)
     assert summary["comm_bytes_per_step"] == 4 * n
     assert summary["tokens_or_samples_per_s"] > 0
+    # DDP's own overlap: its wait after the last gradient; its world is its one group.
+    assert 0 <= summary["exposed_comm_s"] <= summary["comm_wait_s"] < summary["step_time_s"]
+    assert summary["comm_groups_per_rank"] == 1
     if family == "resnet":
         assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
         load_model_pt(run_dir, FAMILIES[family][:2])
@@ -119,6 +122,9 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
     assert kinds["shared_sync"] == 4 * summary["shared_params"]
     assert (kinds["weight_refresh"] > 0) == (mode == "backward")
     assert kinds["resample"] > 0 and summary["resample_every"] == 2
+    # 2 workers at r = 1: the world is every rank's only group; waits are measured (the shared sync).
+    assert summary["comm_groups_per_rank"] == 1
+    assert 0 <= summary["exposed_comm_s"] <= summary["comm_wait_s"] < summary["step_time_s"]
     # Before and after the resample, each rank holds 2 of the 4 blocks and the shared tensors, not everything.
     assert summary["memory"]["grads_bytes"] < 4 * summary["n_params"]
     assert len([r for r in records if "eval_loss" in r]) == 2

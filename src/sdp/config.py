@@ -157,7 +157,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         from sdp.subnet.strategy import validate_plan
 
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-        validate_plan(cfg.model, cfg.masking, world_size=workers)
+        validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=cfg.trainer.max_steps)
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)

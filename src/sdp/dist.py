@@ -92,8 +92,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(world: World, *, backend: str) -> None:
+def init_process_group(world: World, *, backend: str, device: torch.device | None = None) -> None:
     """Join the job's process group; a single process outside torchrun gets a group of one.
+
+    With NCCL on a known device the world communicator is made at once (`device_id`), and
+    torch then splits every later group (SDP's holder sets) from it instead of bootstrapping
+    a communicator of its own; every rank creates the groups in one order.
 
     Under torchrun every attempt of a job (--max-restarts) meets in the agent's store, which
     outlives the attempts; its keys are prefixed with the attempt, or a restarted rank can
@@ -102,13 +106,14 @@ def init_process_group(world: World, *, backend: str) -> None:
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(_free_port())
+    eager = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, **eager)
         return
     store, rank, size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size))
     dist.init_process_group(
-        backend=backend, store=dist.PrefixStore(f"sdp/attempt_{attempt}", store), rank=rank, world_size=size
+        backend=backend, store=dist.PrefixStore(f"sdp/attempt_{attempt}", store), rank=rank, world_size=size, **eager
     )
 
 

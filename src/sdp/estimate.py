@@ -1,6 +1,7 @@
 """Per-rank memory of a run before spending GPU hours on it, without a GPU.
 
     python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all] [out=FILE.json]
+                           [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]
 
 takes the overrides of a run, plays one rank of a K-worker job in this one
 process and runs three training steps of the run's own code (config, DDP or
@@ -19,6 +20,17 @@ Inputs are dummies of the configured shapes (micro-batch = global batch /
 
 `rank=busiest` (the default) picks the rank that holds the most unit
 parameters under the mask; `rank=all` estimates every rank in turn.
+
+With NCCL every process group a rank joins is a communicator with device
+buffers of its own: the estimate counts them (the world, SDP's holder sets,
+SDP x FSDP's mesh) and adds `parallelism.comm_group_overhead_mb` each to the
+peak, shown apart, so that "does it fit" includes them.
+
+`cluster=NAME` (conf/cluster/NAME.yaml; `nodes=N` spreads the ranks over N
+nodes, `cluster.KEY=VALUE` overrides a field, e.g. a measured efficiency)
+also models the step on that machine (`sdp.cluster`): compute, every traced
+collective on its link, and which of them the compute hides, serial and
+overlapped, for DDP and the run.
 """
 
 from __future__ import annotations
@@ -36,13 +48,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
+from sdp.cluster import Cluster, format_step_times, load_cluster, place, step_times
 from sdp.config import RunConfig, load_config
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
+from sdp.parallel import sdp_workers
 from sdp.subnet import is_sdp
-from sdp.trainer import PhaseTimer, count_flops, measure_peak, micro_batch_size, train_step
+from sdp.subnet.strategy import plan_mask, planned_comm_groups
+from sdp.trainer import PhaseTimer, measure_peak, micro_batch_size, train_step
 
 GIB = 2**30
 RANK_CHOICES = ("busiest", "all")
@@ -58,27 +74,47 @@ class EstimateArgs:
     world_size: int
     rank: str  # an integer, busiest or all
     out: Path | None
+    cluster: Cluster | None = None  # cluster=NAME: also model the step time there
 
 
 def parse_args(argv: list[str]) -> EstimateArgs:
-    """Split the estimator's own arguments (world_size=, rank=, out=) from the run's overrides."""
-    own = {"world_size": None, "rank": "busiest", "out": None}
-    overrides = []
+    """Split the estimator's own arguments (world_size=, rank=, out=, cluster=, nodes=,
+    cluster.KEY=) from the run's overrides."""
+    own = {"world_size": None, "rank": "busiest", "out": None, "cluster": None, "nodes": None}
+    overrides, cluster_keys = [], {}
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and key in own:
             own[key] = value
+        elif sep and key.startswith("cluster."):
+            cluster_keys[key.removeprefix("cluster.")] = value
         else:
             overrides.append(arg)
+    cluster = None
+    if own["cluster"] is not None:
+        cluster = load_cluster(own["cluster"], cluster_keys)
+    elif cluster_keys:
+        raise ConfigError("cluster", None, f"is required with cluster.{next(iter(cluster_keys))}=")
+    nodes = _positive("nodes", own["nodes"]) if own["nodes"] is not None else None
+    if own["world_size"] is None and cluster is not None and nodes is not None:
+        own["world_size"] = str(nodes * cluster.devices_per_node)  # every device of the nodes
     if own["world_size"] is None:
         raise ConfigError("world_size", None, "is required: world_size=K, the number of workers to play")
-    if not own["world_size"].isdigit() or int(own["world_size"]) < 1:
-        raise ConfigError("world_size", own["world_size"], "must be an integer >= 1")
-    k = int(own["world_size"])
+    k = _positive("world_size", own["world_size"])
+    if cluster is not None:
+        place(cluster, world_size=k, nodes=nodes)
+    elif nodes is not None:
+        raise ConfigError("nodes", nodes, "applies with cluster=NAME only")
     rank = own["rank"]
     if rank not in RANK_CHOICES and not (rank.isdigit() and int(rank) < k):
         raise ConfigError("rank", rank, f"allowed: an integer in [0, {k - 1}], {', '.join(RANK_CHOICES)}")
-    return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None)
+    return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None, cluster)
+
+
+def _positive(key: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(key, value, "must be an integer >= 1")
+    return int(value)
 
 
 def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
@@ -86,9 +122,6 @@ def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
     SDP x FSDP, shard 0 of the busiest worker."""
     if not is_sdp(cfg.masking.name):
         return 0
-    from sdp.parallel import sdp_workers
-    from sdp.subnet.strategy import plan_mask
-
     workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -99,6 +132,19 @@ def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
         for w in range(workers)
     ]
     return max(range(workers), key=lambda w: held[w]) * (world_size // workers)
+
+
+def planned_groups(cfg: RunConfig, *, world_size: int) -> list[int]:
+    """The process groups (NCCL communicators) each rank of the run joins, the world included."""
+    if not is_sdp(cfg.masking.name):
+        return [1] * world_size
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
+    return planned_comm_groups(
+        model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp, steps=cfg.trainer.max_steps
+    )
 
 
 def dummy_batch(cfg: RunConfig, micro: int) -> dict:
@@ -205,14 +251,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
                         strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer
                     )
 
-                # As a run profiles them: step 2's FLOPs, step 3's live peak.
-                run_step()
-                comm.end_step()
-                _, flops = count_flops(run_step)
-                comm.end_step()
-                static = strategy.memory(optimizer)
-                _, peak = measure_peak(strategy, optimizer, run_step)
-                comm.end_step()
+                flops, static, peak, timeline = _profiled_steps(strategy, optimizer, run_step, comm)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
@@ -222,6 +261,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
                 f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
             ) from err
     per_step = comm.per_step()
+    groups = planned_groups(cfg, world_size=world_size)[rank]
     return {
         "model": cfg.model.name,
         "masking": cfg.masking.name,
@@ -232,11 +272,47 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
         "micro_batch": micro,
         "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
         "n_params": strategy.full_params,
-        "memory": {**static, "peak_bytes": peak["total"], "peak_breakdown": peak},
+        "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
         "flops_per_step": flops,
         "comm_bytes_per_step": sum(per_step.values()),
         "comm_bytes_per_step_by_kind": per_step,
+        "timeline": timeline,
+        "precision": cfg.parallelism.mixed_precision,
         "trace_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def _profiled_steps(strategy, optimizer, run_step, comm: CommCounter) -> tuple[int, dict, dict, list[dict]]:
+    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak. Step 2's
+    collectives are kept with the FLOPs done when each is issued and needed (the step-time
+    model), those it needs itself (issued in it or just before). Returns (FLOPs, static
+    bytes, peak by kind, timeline)."""
+    comm.timeline = []
+    run_step()
+    comm.end_step()
+    with flop_counter() as counter:
+        comm.position = counter.get_total_flops
+        run_step()
+    comm.position, timeline, comm.timeline = None, comm.timeline, None
+    comm.end_step()
+    static = strategy.memory(optimizer)
+    _, peak = measure_peak(strategy, optimizer, run_step)
+    comm.end_step()
+    needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
+    return int(counter.get_total_flops()), static, peak, needed
+
+
+def _memory(static: dict, peak: dict, *, groups: int, group_mb: float) -> dict:
+    """The estimate's memory: static bytes, the live peak, and the communicators' allowance (with
+    NCCL each process group is a communicator with buffers of its own on the device)."""
+    allowance = int(groups * group_mb * 2**20)
+    return {
+        **static,
+        "peak_bytes": peak["total"],
+        "peak_breakdown": peak,
+        "comm_groups": groups,
+        "comm_group_bytes": allowance,
+        "peak_with_comm_groups_bytes": peak["total"] + allowance,
     }
 
 
@@ -256,8 +332,45 @@ def format_estimate(est: dict) -> str:
         + f"  = {mem['peak_bytes'] / GIB:.3f} GiB",
         f"  compute  {est['flops_per_step'] / 1e12:.3f} TFLOP/step; comm {est['comm_bytes_per_step'] / GIB:.3f} "
         f"GiB/step sent; traced in {est['trace_s']:.1f} s",
+        f"  groups   {mem['comm_groups']} process groups (NCCL communicators, the world included) x "
+        f"{mem['comm_group_bytes'] / max(1, mem['comm_groups']) / 2**20:g} MiB = {mem['comm_group_bytes'] / GIB:.3f} "
+        f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
     ]
     return "\n".join(lines)
+
+
+def ddp_overrides(overrides: list[str]) -> list[str]:
+    """The DDP baseline of a run: its overrides without masking or data-parallel choices, with
+    masking=none (precision, activation checkpointing and everything else kept)."""
+    kept = ("parallelism.mixed_precision", "parallelism.activation_checkpointing", "parallelism.bucket_cap_mb")
+    out = []
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.startswith("masking") or key in ("variant", "trainer.protocol"):
+            continue
+        if key.startswith("parallelism") and key not in kept:
+            continue
+        out.append(o)
+    return [*out, "masking=none"]
+
+
+def cluster_report(args: EstimateArgs, cfg: RunConfig, est: dict) -> tuple[str, list[dict]]:
+    """The run's step on args.cluster next to DDP's (traced as well): its text and its rows."""
+    runs = [(run_label(cfg), est)]
+    if is_sdp(cfg.masking.name) or cfg.parallelism.name != "ddp":
+        _, ddp = load_config(ddp_overrides(args.overrides), world_size=args.world_size, offline=True, check_data=False)
+        runs.insert(0, ("DDP", estimate(ddp, world_size=args.world_size, rank=0)))
+    rows = [{"run": label, **step_times(e, args.cluster)} for label, e in runs]
+    return format_step_times(rows, args.cluster, world_size=args.world_size), rows
+
+
+def run_label(cfg: RunConfig) -> str:
+    par = "FSDP" if cfg.parallelism.name == "fsdp" and not is_sdp(cfg.masking.name) else "DDP"
+    if not is_sdp(cfg.masking.name):
+        return par
+    variant = f"{cfg.masking.granularity[0].upper()}-SDP {cfg.masking.name} C={cfg.masking.coverage:g}"
+    f = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
+    return variant + (f" x FSDP(F={f})" if f > 1 else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         for rank in ranks:
             results.append(estimate(cfg, world_size=args.world_size, rank=rank))
             print(format_estimate(results[-1]), flush=True)
+        if args.cluster is not None:
+            text, rows = cluster_report(args, cfg, results[0])
+            print(text, flush=True)
+            for r in results:
+                r["step_time"] = rows
     except EstimateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

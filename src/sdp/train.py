@@ -244,7 +244,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
     checkpoint of `resume`; rank 0 writes the run dir."""
     device = dist.select_device(cfg.trainer.device, world)
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
-    dist.init_process_group(world, backend=backend)
+    dist.init_process_group(world, backend=backend, device=device)
     logger = None
     summary = {
         "status": "running",

@@ -38,11 +38,42 @@ class CommCounter:
         self._pending: list = []  # (timed step, CUDA event pair) not read yet
         self.step_waits: list[float] = []  # seconds waited in each timed step
         self.measured = False  # whether the strategy measures its waits (track_waits)
+        # The memory estimator's record of every collective (see `event`), and where the compute
+        # stands: a callable giving the FLOPs done so far in the traced step (None: outside it).
+        self.timeline: list[dict] | None = None
+        self.position = None
 
     def add(self, kind: str, nbytes: int) -> None:
         if kind not in COMM_KINDS:
             raise ValueError(f"unknown communication kind {kind!r}; known: {', '.join(COMM_KINDS)}")
         self._current[kind] += nbytes
+
+    def event(self, op: str, kind: str, nbytes: int, ranks: tuple[int, ...]) -> int | None:
+        """A collective this rank takes part in is issued (op: all_reduce, broadcast, all_gather,
+        reduce_scatter; `nbytes` its payload on this rank; `ranks` its group). Recorded only
+        when a timeline is kept (the estimator's step-time model); returns its handle."""
+        if self.timeline is None:
+            return None
+        self.timeline.append(
+            {"op": op, "kind": kind, "bytes": int(nbytes), "ranks": list(ranks), "issue": self._at(), "need": None}
+        )
+        return len(self.timeline) - 1
+
+    def need(self, handle: int | None) -> None:
+        """The compute needs the result of collective `handle` now (it waits for it here)."""
+        if handle is not None and self.timeline is not None and self.timeline[handle]["need"] is None:
+            at = self._at()
+            self.timeline[handle]["need"] = -1.0 if at is None else at  # -1: needed outside the traced step
+
+    def need_pending(self, kinds: tuple[str, ...]) -> None:
+        """Every recorded collective of these kinds not needed yet is needed now (DDP's and FSDP's
+        reductions, which their own hooks wait for at the end of the backward)."""
+        for i, rec in enumerate(self.timeline or ()):
+            if rec["need"] is None and rec["kind"] in kinds:
+                self.need(i)
+
+    def _at(self) -> float | None:
+        return None if self.position is None else float(self.position())
 
     def track_waits(self) -> None:
         """Called by a strategy that measures its waits: exposed_s() is then a number (0 when

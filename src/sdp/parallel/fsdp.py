@@ -36,15 +36,25 @@ def counting_collectives(comm: CommCounter):
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            comm.add("param_all_gather", input_tensor.numel() * input_tensor.element_size())
+            nbytes = input_tensor.numel() * input_tensor.element_size()
+            comm.add("param_all_gather", nbytes)
+            # The host issues a block's all-gather where the block needs it (the step-time model
+            # starts it a block earlier, as FSDP's all-gather stream runs ahead).
+            comm.need(comm.event("all_gather", "param_all_gather", nbytes, _ranks(group)))
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            comm.add("grad_reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+            nbytes = input_tensor.numel() * input_tensor.element_size()
+            comm.add("grad_reduce_scatter", nbytes)
+            comm.event("reduce_scatter", "grad_reduce_scatter", nbytes, _ranks(group))  # needed after the backward
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     return CountingAllGather(), CountingReduceScatter()
+
+
+def _ranks(group) -> tuple[int, ...]:
+    return tuple(torch.distributed.get_process_group_ranks(group))
 
 
 def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
@@ -77,10 +87,13 @@ class FSDPStrategy(Strategy):
             all_gather, reduce_scatter = counting_collectives(comm)
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
-        self.model = model
+        self.model, self.comm = model, comm
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def after_backward(self) -> None:
+        self.comm.need_pending(("grad_reduce_scatter",))  # FSDP waited for them at the end of backward()
 
     @contextlib.contextmanager
     def no_sync(self):

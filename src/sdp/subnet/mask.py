@@ -77,8 +77,16 @@ class Mask:
         return [self.chunk_holders[group][c] for c in self.chunk_of[group]]
 
     def holder_sets(self) -> list[tuple[int, ...]]:
-        """Distinct holder sets in a deterministic order (for process groups, created once)."""
-        return sorted({hs for per_group in self.chunk_holders for hs in per_group}, key=lambda s: (len(s), s))
+        """Distinct holder sets of the chunks that hold units, in a deterministic order (for
+        process groups, created once). A block group is one unit, so K - 1 of its K chunks
+        are empty: their holder sets need no group (with NCCL, no communicator)."""
+        used = {
+            hs
+            for chunks, per_group in zip(self.chunk_of, self.chunk_holders, strict=True)
+            for c, hs in enumerate(per_group)
+            if (chunks == c).any()
+        }
+        return sorted(used, key=lambda s: (len(s), s))
 
     def matrix(self) -> np.ndarray:
         """M[k, u] in {0, 1} for K workers x all units (groups concatenated)."""

@@ -94,6 +94,8 @@ class WeightRefresh:
         ]
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
+        self._events: list = [None] * len(self.buckets)  # the estimator's timeline handles
+        self._world = tuple(range(dist.get_world_size()))
         self._sends = sum(4 * b.numel for b in self.buckets if b.source == rank)  # fp32 bytes
         self._next = len(self.buckets)  # the next bucket to issue (all issued: nothing to do)
         self._open = 0  # issued and not finished
@@ -140,6 +142,7 @@ class WeightRefresh:
             flat = torch.empty(b.numel, dtype=torch.float32, device=self.device)
         self._flats[i] = flat
         self._works[i] = dist.broadcast(flat, src=b.source, async_op=True)
+        self._events[i] = self.comm.event("broadcast", "weight_refresh", 4 * b.numel, self._world)
         self._open += 1
         if self.trace is not None:
             self.trace.append(("world", "weight_refresh", i))
@@ -147,6 +150,7 @@ class WeightRefresh:
     def _finish(self, i: int) -> None:
         """Wait for bucket i and write its values where this rank keeps them."""
         self._works[i].wait()
+        self.comm.need(self._events[i])
         flat, offset = self._flats[i], 0
         for t in self.buckets[i].transfers:
             if t.dst is not None:

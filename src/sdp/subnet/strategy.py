@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -12,7 +14,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 from sdp.optim import rebind
-from sdp.parallel import Strategy, move_to
+from sdp.parallel import ParallelConfig, Strategy, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
     apply_backward_masking,
@@ -22,7 +24,7 @@ from sdp.subnet.apply import (
     forward_assembly,
     named_tensors,
 )
-from sdp.subnet.groups import HolderGroups
+from sdp.subnet.groups import REPLICATED, HolderGroups, joined, rank_sets, shard_dims
 from sdp.subnet.mask import Mask, build_mask, mask_stats
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
@@ -49,13 +51,80 @@ def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int =
     )
 
 
-def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int) -> None:
-    """Check the mask against the model before launch (the model is built on the meta device)."""
+def planned_comm_groups(
+    model: nn.Module,
+    cfg: MaskingConfig,
+    *,
+    family: str,
+    workers: int,
+    fsdp_degree: int = 1,
+    steps: int = 0,
+    stop_above: int | None = None,
+) -> list[int]:
+    """The process groups (with NCCL, communicators) each rank joins in a run of `steps` steps:
+    the world, the groups of the holder sets of every mask epoch the run visits (a resample
+    adds the new epoch's and keeps the old ones), and under SDP x FSDP (`fsdp_degree` > 1)
+    the mesh's two. With `stop_above`, counting stops once a rank has more (for a refusal).
+    What `SDPStrategy.comm_groups` reports at the end of such a run."""
+    spec = unit_spec(model, family=family, granularity=cfg.granularity)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    replicated = fsdp_degree > 1 and REPLICATED in shard_dims(spec, shapes, fsdp_degree).values()
+    world = workers * fsdp_degree
+    mesh = sum(1 for size in (workers, fsdp_degree) if size > 1) if fsdp_degree > 1 else 0
+    every = cfg.resample_every
+    # The cyclic construction's holder sets are the same in every epoch (only the chunks move).
+    epochs = (steps - 1) // every + 1 if every and steps > 1 and cfg.construction != "cyclic" else 1
+    holder_sets: set[tuple[int, ...]] = {tuple(range(workers))}
+    for epoch in range(epochs):
+        holder_sets |= set(mask_of(spec, cfg, world_size=workers, epoch=epoch).holder_sets())
+        if stop_above is None and epoch < epochs - 1:
+            continue
+        sets = rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated)
+        counts = [1 + mesh + joined(sets, rank=r, world_size=world) for r in range(world)]
+        if stop_above is not None and max(counts) > stop_above:
+            break
+    return counts
+
+
+def _too_many_groups(model: nn.Module, cfg: MaskingConfig, *, family: str, workers: int, parallel, steps: int):
+    """The refusal of a run whose busiest rank would join more than parallelism.max_comm_groups
+    groups, or None."""
+    f = parallel.fsdp_degree if parallel.name == "fsdp" else 1
+    count = functools.partial(planned_comm_groups, model, family=family, workers=workers, fsdp_degree=f, steps=steps)
+    busiest = max(count(cfg, stop_above=parallel.max_comm_groups))
+    if busiest <= parallel.max_comm_groups:
+        return None
+    resampled = cfg.resample_every and cfg.construction != "cyclic"  # counting stopped at the first epoch over
+    cyclic = max(count(dataclasses.replace(cfg, construction="cyclic")))
+    if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
+        instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
+    else:
+        instead = "lower masking.coverage or use fewer workers"
+    return ConfigError(
+        "masking.construction",
+        cfg.construction,
+        f"makes the busiest rank join {'at least ' if resampled else ''}{busiest} process groups (the world "
+        f"included) with K={workers} workers at C={cfg.coverage}"
+        + (f" and a new mask every {cfg.resample_every} steps" if resampled else "")
+        + f", more than parallelism.max_comm_groups={parallel.max_comm_groups}; each is an NCCL communicator of "
+        f"about {parallel.comm_group_overhead_mb:g} MiB of device memory (parallelism.comm_group_overhead_mb); "
+        f"{instead}, or raise parallelism.max_comm_groups",
+    )
+
+
+def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=None, steps: int = 0) -> None:
+    """Check the mask against the model before launch (the model is built on the meta device),
+    and the process groups it needs against parallelism.max_comm_groups."""
     from sdp.models import build_model
 
     with torch.device("meta"):
         model = build_model(model_cfg)
     spec, mask = plan_mask(model, cfg, family=model_cfg.family, world_size=world_size)
+    refusal = _too_many_groups(
+        model, cfg, family=model_cfg.family, workers=world_size, parallel=parallel or ParallelConfig(), steps=steps
+    )
+    if refusal is not None:
+        raise refusal
     if cfg.name != "forward":
         return
     for g, group in enumerate(spec.groups):
@@ -263,6 +332,7 @@ class SDPStrategy(Strategy):
             self.sync.active = True
 
     def after_backward(self) -> None:
+        self.comm.need_pending(("grad_reduce_scatter",))  # SDP x FSDP: FSDP's, waited for in backward()
         if self.refresh is not None:
             self.refresh.wait_all()  # the forward waited for every piece it read; nothing is left
         with self.comm.waiting():

@@ -194,6 +194,7 @@ class GradSync:
     def _reset(self) -> None:
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
+        self._events: list = [None] * len(self.buckets)  # the estimator's timeline handles
         self._missing = [len(b.entries) for b in self.buckets]
         self._hooked: set[int] = set()
         self._next = 0  # the next bucket to launch, in this rank's launch order
@@ -236,6 +237,7 @@ class GradSync:
         b, flat = self.buckets[i], self._flats[i]
         self.comm.add(b.kind, flat.numel() * flat.element_size())
         self._works[i] = dist.all_reduce(flat, group=self.groups.get(b.holders), async_op=True)
+        self._events[i] = self.comm.event("all_reduce", b.kind, flat.numel() * flat.element_size(), b.holders)
         if self.trace is not None:
             self.trace.append((b.holders, b.kind, b.index))
         self._next = i + 1
@@ -250,6 +252,7 @@ class GradSync:
         """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`."""
         b, flat = self.buckets[i], self._flats[i]
         self._works[i].wait()
+        self.comm.need(self._events[i])
         flat.div_(len(b.holders))
         with allocating("grads"):
             for e, offset in zip(b.entries, b.offsets, strict=True):
@@ -324,6 +327,9 @@ def broadcast_from_holders(
             else:
                 flat = torch.empty(sum(t.numel for t in bucket), dtype=dtype, device=device)
             dist.broadcast(flat, src=src)
+            if comm is not None:
+                world = tuple(range(dist.get_world_size()))
+                comm.need(comm.event("broadcast", kind, flat.numel() * flat.element_size(), world))
             offset = 0
             for t in bucket:
                 if t.dst is not None:

@@ -1,0 +1,122 @@
+"""The step-time model: its collective costs, its schedule, and the estimator's cluster= mode."""
+
+import pytest
+from conftest import estimator_config
+
+from sdp.cluster import Cluster, Collective, collective_seconds, load_cluster, place, simulate, step_times
+from sdp.errors import ConfigError
+from sdp.estimate import ddp_overrides, estimate, main, parse_args
+
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
+
+
+def machine(**kw) -> Cluster:
+    # 1 TFLOP/s of compute; 10 GB/s and 1 us per step within a node of 4, 1 GB/s and 10 us across.
+    base = dict(name="test", devices_per_node=4, peak_tflops_bf16=2.0, peak_tflops_fp32=1.0, efficiency=1.0,
+                memory_gbps=100.0, intra_node_gbps=10.0, intra_node_latency_us=1.0, inter_node_gbps=1.0,
+                inter_node_latency_us=10.0)  # fmt: skip
+    return Cluster(**{**base, **kw})
+
+
+def c(op="all_reduce", nbytes=10**9, ranks=(0, 1), issue=0.0, need=0.0, kind="grad_sync"):
+    return Collective(op, kind, nbytes, ranks, issue, need)
+
+
+def test_ring_costs_follow_the_alpha_beta_model():
+    m = machine()
+    assert collective_seconds(c(ranks=(0, 1, 2, 3)), m) == pytest.approx(6e-6 + 1.5 * 0.1)  # 2(n-1) a + 2(n-1)/n B/b
+    assert collective_seconds(c(op="broadcast", ranks=(0, 1, 2, 3)), m) == pytest.approx(3e-6 + 0.1)
+    assert collective_seconds(c(op="all_gather", ranks=(0, 1)), m) == pytest.approx(1e-6 + 0.1)
+    assert collective_seconds(c(op="reduce_scatter", ranks=(0, 1)), m) == pytest.approx(1e-6 + 0.05)
+    # A group that spans two nodes runs at the slower link.
+    assert collective_seconds(c(ranks=(3, 4)), m) == pytest.approx(2e-5 + 1.0)
+    assert collective_seconds(c(ranks=(5,)), m) == 0.0
+
+
+def test_overlap_hides_what_finishes_before_it_is_needed():
+    m = machine(intra_node_latency_us=0.0)
+    # 2 TFLOP of compute (2 s). A 0.1 s all-reduce of 2 ranks issued at 0.5 s and needed at the
+    # end is hidden; one issued at 1.95 s is exposed for 0.05 s; serial exposes both (0.2 s).
+    cs = [c(issue=0.5e12, need=2e12), c(issue=1.95e12, need=2e12)]
+    over = simulate(cs, step_flops=2e12, optimizer_bytes=1e9, cluster=m, precision="fp32")
+    serial = simulate(cs, step_flops=2e12, optimizer_bytes=1e9, cluster=m, precision="fp32", serial=True)
+    assert over.compute_s == pytest.approx(2.0) and over.optimizer_s == pytest.approx(0.01)
+    assert over.exposed_comm_s == pytest.approx(0.05) and serial.exposed_comm_s == pytest.approx(0.2)
+    assert over.step_s == pytest.approx(2.06) and serial.step_s == pytest.approx(2.21)
+    # One channel: a second collective waits for the first, then its own time.
+    queued = [c(issue=1.9e12, need=2e12), c(issue=1.9e12, need=2e12)]
+    assert simulate(queued, step_flops=2e12, optimizer_bytes=0, cluster=m, precision="fp32").exposed_comm_s == (
+        pytest.approx(0.1)
+    )
+
+
+def test_a_stall_delays_everything_after_it():
+    m = machine(intra_node_latency_us=0.0)
+    # The first collective stalls the compute by 0.1 s at 0.5 s; the second, issued at 1 s of
+    # compute, then starts at 1.1 s of wall time and ends at 1.2, needed at 1.5 s of compute (1.6 wall).
+    cs = [c(issue=0.5e12, need=0.5e12), c(issue=1e12, need=1.5e12)]
+    t = simulate(cs, step_flops=2e12, optimizer_bytes=0, cluster=m, precision="fp32")
+    assert t.exposed_comm_s == pytest.approx(0.1) and t.step_s == pytest.approx(2.1)
+
+
+def test_fsdp_all_gathers_start_one_block_ahead():
+    m = machine(intra_node_latency_us=0.0)
+    gathers = [c(op="all_gather", kind="param_all_gather", issue=p, need=p) for p in (0.0, 1e12)]
+    t = simulate(gathers, step_flops=2e12, optimizer_bytes=0, cluster=m, precision="fp32")
+    assert t.exposed_comm_s == pytest.approx(0.1)  # the first block's waits; the second was prefetched
+
+
+def test_bf16_compute_uses_the_bf16_peak():
+    t = simulate([], step_flops=2e12, optimizer_bytes=0, cluster=machine(), precision="bf16")
+    assert t.compute_s == pytest.approx(1.0)
+
+
+def test_clusters_load_with_overrides_and_refuse_bad_keys():
+    cluster = load_cluster("h100_ib", {"efficiency": "0.5"})
+    assert cluster.efficiency == 0.5 and cluster.devices_per_node == 8
+    with pytest.raises(ConfigError, match=r"^cluster='dgx': unknown cluster; allowed: .*h100_ib, h100_nvlink"):
+        load_cluster("dgx")
+    with pytest.raises(ConfigError, match=r"^cluster.speed='1': no such key"):
+        load_cluster("h100_ib", {"speed": "1"})
+    with pytest.raises(ConfigError, match=r"^cluster.efficiency=1.5: must be in \(0, 1\]"):
+        load_cluster("h100_ib", {"efficiency": "1.5"})
+
+
+def test_nodes_spread_the_ranks():
+    cluster = load_cluster("h100_ib")
+    place(cluster, world_size=8, nodes=2)
+    assert cluster.ranks_per_node == 4
+    with pytest.raises(ConfigError, match=r"^nodes=1: puts 16 ranks on a node of 8 devices .*allowed: 2 nodes"):
+        place(cluster, world_size=16, nodes=1)
+    assert parse_args(["cluster=h100_ib", "nodes=2"]).world_size == 16  # every device of the nodes
+    with pytest.raises(ConfigError, match="^nodes=2: applies with cluster=NAME only"):
+        parse_args(["world_size=4", "nodes=2"])
+
+
+def test_the_ddp_baseline_keeps_precision_and_drops_the_masking():
+    overrides = ["model=llama_1b", "masking=forward", "masking.coverage=0.5", "variant=n_sdp_forward",
+                 "parallelism=fsdp", "parallelism.fsdp_degree=2", "parallelism.mixed_precision=bf16"]  # fmt: skip
+    assert ddp_overrides(overrides) == ["model=llama_1b", "parallelism.mixed_precision=bf16", "masking=none"]
+
+
+@pytest.mark.parametrize("overrides", [["masking=forward", "masking.coverage=0.5"], ["masking=backward",
+                         "masking.coverage=0.5"], ["parallelism=fsdp"], ["masking=none"]])  # fmt: skip
+def test_every_traced_collective_is_issued_before_it_is_needed(overrides):
+    est = estimate(estimator_config([*TINY, *overrides], 4), world_size=4, rank=0)
+    timeline = est["timeline"]
+    assert timeline and all(0 <= (r["issue"] or 0) <= r["need"] <= est["flops_per_step"] for r in timeline)
+    # The traced payloads are the bytes the rank takes part in; SDP's gradient buckets add up to
+    # the counted gradient traffic.
+    kinds = est["comm_bytes_per_step_by_kind"]
+    traced = sum(r["bytes"] for r in timeline if r["kind"] in ("grad_sync", "shared_sync"))
+    assert traced == kinds["grad_sync"] + kinds["shared_sync"]
+    t = step_times(est, load_cluster("h100_nvlink"))
+    assert t["exposed_overlapped_s"] <= t["exposed_serial_s"] <= t["comm_s"] + 1e-12
+
+
+def test_the_estimator_prints_the_step_on_a_cluster(capsys):
+    assert main([*TINY, "masking=forward", "masking.coverage=0.5", "world_size=8", "cluster=h100_ib", "nodes=2"]) == 0
+    out = capsys.readouterr().out
+    assert "step time on h100_ib: 8 ranks on 2 node(s) of 4" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  DDP ", "  N-SDP forward C=0.5 "))]
+    assert len(rows) == 2 and rows[0][-1] == "1.00"

@@ -1,0 +1,92 @@
+"""Process groups: which ranks pay which communicators, counted before launch."""
+
+import pytest
+import torch
+from conftest import estimator_config
+
+from sdp.config import typed_config
+from sdp.errors import ConfigError
+from sdp.estimate import estimate
+from sdp.models import build_model
+from sdp.subnet import MaskingConfig
+from sdp.subnet.groups import joined, rank_sets
+from sdp.subnet.mask import build_mask
+from sdp.subnet.strategy import planned_comm_groups
+
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def llama_1b():
+    with torch.device("meta"):
+        return build_model(typed_config(["model=llama_1b", "dataset=synthetic_text"])[1].model)
+
+
+@pytest.mark.parametrize(
+    "granularity,construction,workers,coverage,busiest",
+    [
+        # Each rank: the world plus the groups of the holder sets it is in.
+        ("neuron", "cyclic", 8, 0.5, 1 + 4),  # K windows of r = 4 workers; each worker is in r of them
+        ("neuron", "random", 8, 0.5, 1 + 35),  # all C(8, 4) = 70 sets appear; each worker is in 35
+        ("neuron", "random", 16, 0.25, 1 + 165),
+        ("neuron", "cyclic", 16, 0.25, 1 + 4),
+        ("neuron", "cyclic", 32, 0.5, 1 + 16),  # cyclic grows with r = C x K too
+        ("block", "cyclic", 8, 0.5, 1 + 4),
+        ("block", "random", 8, 0.5, 1 + 13),  # 16 layers: 16 holder sets at most (none for empty chunks)
+    ],
+)
+def test_llama_1b_groups_per_rank(llama_1b, granularity, construction, workers, coverage, busiest):
+    cfg = MaskingConfig(name="forward", granularity=granularity, coverage=coverage, construction=construction)
+    assert max(planned_comm_groups(llama_1b, cfg, family="llama", workers=workers)) == busiest
+
+
+def test_empty_chunks_of_block_masks_need_no_group():
+    # A block group is one unit: of its K chunks only one holds it.
+    mask = build_mask([1, 1], num_workers=4, coverage=0.5)
+    # Block 0 in chunk 0 (held by workers 3 and 0), block 1 in chunk 1 (workers 0 and 1); the
+    # other chunks' holder sets, (1, 2) and (2, 3), hold nothing.
+    assert mask.holder_sets() == [(0, 1), (0, 3)]
+
+
+def test_sdp_x_fsdp_rank_sets_are_per_shard_plus_replicated():
+    sets = rank_sets([(0, 1)], fsdp_degree=2, replicated=True)
+    assert sets == [(0, 2), (1, 3), (0, 1, 2, 3)]
+    assert joined(sets, rank=0, world_size=8) == 2 and joined(sets, rank=0, world_size=4) == 1  # (0..3) is WORLD
+
+
+def test_resampling_a_random_mask_adds_groups(llama_1b):
+    fixed = MaskingConfig(name="forward", granularity="block", coverage=0.5, construction="random")
+    resampled = MaskingConfig(**{**fixed.__dict__, "resample_every": 10})
+    once = max(planned_comm_groups(llama_1b, fixed, family="llama", workers=8))
+    over_run = max(planned_comm_groups(llama_1b, resampled, family="llama", workers=8, steps=100))
+    assert once < over_run <= 1 + 35
+
+
+def test_too_many_groups_are_refused_naming_the_construction():
+    with pytest.raises(ConfigError) as info:
+        estimator_config([*TINY, "masking=backward", "masking.construction=random", "masking.coverage=0.5"], 8)
+    assert str(info.value) == (
+        "masking.construction='random': makes the busiest rank join 19 process groups (the world included) with "
+        "K=8 workers at C=0.5, more than parallelism.max_comm_groups=16; each is an NCCL communicator of about "
+        "688 MiB of device memory (parallelism.comm_group_overhead_mb); use masking.construction=cyclic (5 per "
+        "rank here), or raise parallelism.max_comm_groups"
+    )
+    # The same run with cyclic masks is accepted.
+    estimator_config([*TINY, "masking=backward", "masking.coverage=0.5"], 8)
+
+
+def test_a_cyclic_mask_over_the_limit_suggests_fewer_holders():
+    with pytest.raises(ConfigError) as info:
+        estimator_config([*TINY, "masking=backward", "masking.coverage=0.5", "parallelism.max_comm_groups=2"], 4)
+    assert "lower masking.coverage or use fewer workers, or raise parallelism.max_comm_groups" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,groups",
+    [(["masking=none"], 1), (["masking=backward", "masking.coverage=0.5"], 3), (["parallelism=fsdp"], 1)],
+)
+def test_the_estimator_adds_each_communicator_to_its_peak(overrides, groups):
+    est = estimate(estimator_config([*TINY, *overrides], 4), world_size=4, rank=0)["memory"]
+    assert est["comm_groups"] == groups
+    assert est["comm_group_bytes"] == groups * 688 * 2**20
+    assert est["peak_with_comm_groups_bytes"] == est["peak_bytes"] + est["comm_group_bytes"]
