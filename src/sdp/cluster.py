@@ -51,6 +51,10 @@ class Cluster:
     inter_node_gbps: float  # per device, across nodes
     inter_node_latency_us: float
     description: str = ""
+    # A broadcast's latency per hop and bandwidth where they differ from the ring's (gloo's
+    # broadcast is a few times cheaper than one step of its all-reduce); None: the link's.
+    broadcast_latency_us: float | None = None
+    broadcast_gbps: float | None = None
     ranks_per_node: int = 0  # how the run's ranks sit on the nodes (set by `place`; 0: devices_per_node)
 
 
@@ -125,7 +129,9 @@ def collective_seconds(c: Collective, cluster: Cluster) -> float:
     if c.op == "all_gather":
         return (n - 1) * alpha + (n - 1) * c.nbytes / beta
     if c.op == "broadcast":
-        return (n - 1) * alpha + c.nbytes / beta
+        hop = alpha if cluster.broadcast_latency_us is None else 1e-6 * cluster.broadcast_latency_us
+        gbps = beta if cluster.broadcast_gbps is None else 1e9 * cluster.broadcast_gbps
+        return (n - 1) * hop + c.nbytes / gbps
     raise ValueError(f"unknown collective {c.op!r}")
 
 

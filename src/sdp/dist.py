@@ -74,12 +74,15 @@ def hub_offline() -> bool:
     )
 
 
-def select_device(preference: str, world: World) -> torch.device:
-    """`auto` takes this rank's GPU when CUDA is present, else the CPU."""
+def select_device(preference: str, world: World, *, share: bool = False) -> torch.device:
+    """`auto` takes this rank's GPU when CUDA is present, else the CPU. With `share` (gloo over
+    CUDA tensors), ranks beyond the visible GPUs share them, local rank modulo their count
+    (NCCL refuses two ranks on one device, gloo does not: a multi-rank test on one GPU)."""
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    torch.cuda.set_device(world.local_rank)
-    return torch.device("cuda", world.local_rank)
+    index = world.local_rank % torch.cuda.device_count() if share else world.local_rank
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def default_backend(device: torch.device) -> str:

@@ -242,7 +242,7 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
 def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> dict:
     """Train one configured run on this rank, from the start or from the newest intact
     checkpoint of `resume`; rank 0 writes the run dir."""
-    device = dist.select_device(cfg.trainer.device, world)
+    device = dist.select_device(cfg.trainer.device, world, share=cfg.parallelism.backend == "gloo")
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend, device=device)
     logger = None

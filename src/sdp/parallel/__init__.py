@@ -30,7 +30,7 @@ PRECISIONS = ("fp32", "bf16")
 class ParallelConfig:
     name: str = "ddp"  # ddp | fsdp (FSDP2)
     backend: str = "auto"  # auto | gloo | nccl
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: float = 25  # MiB
     # SDP: average gradients in buckets launched during the backward (post-accumulate-grad
     # hooks, one global launch order) and overlap backward masking's weight refresh with the
     # next forward; false: both after the compute, one bucket at a time (the reference).
@@ -212,28 +212,36 @@ class DDPStrategy(Strategy):
         # Exposed communication: from the last gradient the backward makes to the end of
         # backward(), where DDP's reducer waits for its last buckets.
         self.comm, self._last_grad = comm, None
-        self._cap, self._bucket = cfg.bucket_cap_mb * 2**20, [0, 0]  # the step-time model's [index, bytes]
+        # Gradients made so far in this step, and in the step before: the last one is marked
+        # (one CUDA event a step, not one per parameter).
+        self._made, self._expected = 0, 0
+        self._cap, self._bucket = int(cfg.bucket_cap_mb * 2**20), [0, 0]  # the step-time model's [index, bytes]
         comm.track_waits()
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_made)
 
     def _grad_made(self, p) -> None:
-        self._last_grad = self.comm.start()
+        self._made += 1
+        if self._made >= self._expected:
+            self._last_grad = self.comm.start()
         if self.comm.timeline is not None:  # the estimator's record of the reducer's buckets
             self._bucket[1] += p.numel() * p.element_size()
-            if self._bucket[1] >= (dist._DEFAULT_FIRST_BUCKET_BYTES if self._bucket[0] == 0 else self._cap):
+            first = self._cap if self._cap != 25 * 2**20 else dist._DEFAULT_FIRST_BUCKET_BYTES  # as DDP's
+            if self._bucket[1] >= (first if self._bucket[0] == 0 else self._cap):
                 self._close_bucket()
 
     def _close_bucket(self) -> None:
         """A bucket of DDP's: after its first step the reducer buckets gradients in the order they
-        arrive, 1 MiB for the first and bucket_cap_mb for the others, and all-reduces each when
+        arrive, 1 MiB for the first (bucket_cap_mb when that is not the default) and bucket_cap_mb
+        for the others, and all-reduces each when
         full. (The estimator cannot let the reducer rebuild: that reads tensor data.)"""
         if self._bucket[1]:
             self.comm.event("all_reduce", "grad_sync", self._bucket[1], tuple(range(dist.get_world_size())))
         self._bucket = [self._bucket[0] + 1, 0]
 
     def after_backward(self) -> None:
+        self._made, self._expected = 0, self._made
         if self.comm.timeline is not None:
             self._close_bucket()
             self._bucket = [0, 0]

@@ -71,7 +71,7 @@ def gather_state(
     shapes: Mapping[str, torch.Size],
     rank: int,
     comm: CommCounter,
-    bucket_cap_mb: int,
+    bucket_cap_mb: float,
     device: torch.device,
     worker: int | None = None,
     rank_space: Callable[[list[Transfer]], list[Transfer]] | None = None,

@@ -29,7 +29,7 @@ from sdp.subnet.mask import Mask, build_mask, mask_stats
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
 from sdp.subnet.sync import GradSync, Transfer, broadcast_from_holders
-from sdp.subnet.units import UnitSpec, unit_spec
+from sdp.subnet.units import UnitSpec, blocks, unit_spec
 
 
 def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
@@ -151,7 +151,7 @@ class SDPStrategy(Strategy):
         world_size: int,
         device: torch.device,
         comm: CommCounter,
-        bucket_cap_mb: int,
+        bucket_cap_mb: float,
         make_plain: Callable[[], nn.Module],
         prepare: Callable[[nn.Module], object] | None = None,
         autocast_dtype: torch.dtype | None = None,
@@ -176,8 +176,11 @@ class SDPStrategy(Strategy):
         self.full_params = sum(s.numel() for s in self.shapes.values())
         self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
         self.plain_names = list(self.shapes)
-        # A tensor's place in the plain model: the order buckets are filled and launched in.
+        # A tensor's place in the plain model (the order buckets are filled and launched in),
+        # and the block it belongs to (-1: none).
         self.position = {n: i for i, n in enumerate(self.plain_names)}
+        paths = [path for path, _ in blocks(model, family=family)]
+        self.block_of = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), -1) for n in self.shapes}
         self.overlap, self.sync, self.refresh, self._trace = overlap, None, None, None
         comm.track_waits()
         self.groups = HolderGroups([], world_size=torch.distributed.get_world_size())
@@ -211,6 +214,7 @@ class SDPStrategy(Strategy):
             comm=self.comm,
             bucket_cap_mb=self.bucket_cap_mb,
             position=self.position,
+            block=self.block_of,
             overlap=self.overlap,
         )
         self.refresh = None

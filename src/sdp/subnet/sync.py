@@ -101,15 +101,24 @@ class Bucket:
 
 
 def plan_buckets(
-    entries: list[GradEntry], *, position: Mapping[str, int], cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES
+    entries: list[GradEntry],
+    *,
+    position: Mapping[str, int],
+    cap_bytes: int,
+    first_bytes: int = FIRST_BUCKET_BYTES,
+    block: Mapping[str, int] | None = None,
 ) -> list[Bucket]:
     """Flat buckets of every holder set among `entries`, in launch order.
 
     A holder set's pieces are taken in the order the backward produces them (the reverse
     of `position`, a plain-model name's place in the plain model, the same on every rank)
-    and cut into buckets of `first_bytes` for the first and `cap_bytes` for the others,
-    as DDP does. The result is sorted by `Bucket.order_key`: every rank's list is the
-    subsequence of one global order made of the holder sets it belongs to.
+    and cut into buckets of `first_bytes` (at most `cap_bytes`) for the first and
+    `cap_bytes` for the others, as DDP does. A bucket also ends where the backward leaves
+    a block (`block`: a plain name's block index) once it holds a quarter of its cap: a
+    holder set's pieces are spread through the depth, and a large tensor whose gradient is
+    ready early (the LM head) must not wait for small ones of every layer (norm scales).
+    The result is sorted by `Bucket.order_key`: every rank's list is the subsequence of one
+    global order made of the holder sets it belongs to.
     """
     by_set: dict[tuple, list[GradEntry]] = {}
     for e in entries:
@@ -117,19 +126,29 @@ def plan_buckets(
     out = []
     for (holders, kind), members in by_set.items():
         members = sorted(members, key=lambda e: (-position[e.name], e.full_start))
-        index, bucket, size = 0, [], 0
-        for e in [*members, None]:
-            n = 0 if e is None else _local_numel(e.piece)
-            cap = first_bytes if index == 0 else cap_bytes
-            if bucket and (e is None or (size + n) * e.piece.tensor.element_size() > cap):
-                offsets = tuple(itertools.accumulate([_local_numel(b.piece) for b in bucket[:-1]], initial=0))
-                ready = min(position[b.name] for b in bucket)
-                out.append(Bucket(holders, kind, index, tuple(bucket), offsets, size, ready))
-                index, bucket, size = index + 1, [], 0
-            if e is not None:
-                bucket.append(e)
-                size += n
+        limits = (min(first_bytes, cap_bytes), cap_bytes)
+        for index, bucket in enumerate(_cut(members, limits=limits, block=block or {})):
+            sizes = [_local_numel(b.piece) for b in bucket]
+            offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
+            ready = min(position[b.name] for b in bucket)
+            out.append(Bucket(holders, kind, index, tuple(bucket), offsets, sum(sizes), ready))
     return sorted(out, key=lambda b: b.order_key)
+
+
+def _cut(members: list[GradEntry], *, limits: tuple[int, int], block: Mapping[str, int]):
+    """Consecutive runs of `members` within the byte limits (first bucket, the others), ending
+    early at a block boundary once a quarter full (see plan_buckets)."""
+    bucket, size, limit = [], 0, limits[0]
+    for e in members:
+        nbytes = _local_numel(e.piece) * e.piece.tensor.element_size()
+        leaving = bool(bucket) and block.get(e.name, -1) != block.get(bucket[-1].name, -1) and 4 * size >= limit
+        if bucket and (size + nbytes > limit or leaving):
+            yield bucket
+            bucket, size, limit = [], 0, limits[1]
+        bucket.append(e)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 class GradSync:
@@ -156,12 +175,13 @@ class GradSync:
         *,
         groups: HolderGroups,
         comm: CommCounter,
-        bucket_cap_mb: int,
+        bucket_cap_mb: float,
         position: Mapping[str, int],
+        block: Mapping[str, int] | None = None,
         overlap: bool = False,
     ):
         self.entries, self.groups, self.comm, self.overlap = entries, groups, comm, overlap
-        plan = plan_buckets(entries, position=position, cap_bytes=bucket_cap_mb * 2**20)
+        plan = plan_buckets(entries, position=position, cap_bytes=int(bucket_cap_mb * 2**20), block=block)
         # A single holder's gradient is already its average: no bucket.
         self.buckets = [b for b in plan if groups.get(b.holders) is not None]
         self.active = True  # False on micro-batches before the last one of a step
@@ -309,7 +329,7 @@ def broadcast_from_holders(
     rank: int,
     comm: CommCounter | None,
     kind: str,
-    bucket_cap_mb: int,
+    bucket_cap_mb: float,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
 ) -> None:
@@ -317,7 +337,7 @@ def broadcast_from_holders(
     by_source: dict[int, list[Transfer]] = {}
     for t in transfers:
         by_source.setdefault(t.source, []).append(t)
-    cap = bucket_cap_mb * 2**20 // 4
+    cap = int(bucket_cap_mb * 2**20) // 4
     for src in sorted(by_source):
         for bucket in split_by_size(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
             if rank == src:
