@@ -25,7 +25,7 @@ def _trainer(seed: int = 0, width: int = 8):
     model(torch.randn(4, width)).sum().backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    strategy = types.SimpleNamespace(model=model, replicated_state=False, settle=lambda: None)
+    strategy = types.SimpleNamespace(model=model, replicated_state=False, settle=lambda: None, after_load=lambda: None)
     return strategy, optimizer, scheduler
 
 

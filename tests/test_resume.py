@@ -18,6 +18,9 @@ VARIANTS = {
     "ddp": [],
     # A new mask after steps 2 and 4: the resumed launch must rebuild mask epoch 1's subnetwork.
     "sdp-forward-resampled": ["masking=forward", "masking.coverage=0.5", "masking.resample_every=2"],
+    # Neuron-level backward masking checkpoints only its held ranges of a sliced weight: the
+    # resumed launch must fetch the others from their holders before its first forward.
+    "sdp-backward": ["masking=backward", "masking.coverage=0.5"],
 }
 TIMINGS = ("tokens_or_samples_per_s", "step_time_s")
 

@@ -368,6 +368,7 @@ def load_checkpoint(
         local(t).copy_(saved)
     optimizer.load_state_dict(state["optimizer"])
     _shard_optimizer_state(optimizer)
+    strategy.after_load()
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(own["rng"], device)
     if int(state["step"]) != ckpt.step:

@@ -142,6 +142,9 @@ class Strategy:
     def after_step(self) -> None:
         """Called after every optimizer step."""
 
+    def after_load(self) -> None:
+        """Called (collectively) once a checkpoint is loaded into the model and optimizer."""
+
     def settle(self) -> None:
         """Finish communication still in flight that the model's values depend on (backward
         masking's overlapped weight refresh): before they are read from outside a forward."""

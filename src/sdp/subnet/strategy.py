@@ -365,6 +365,19 @@ class SDPStrategy(Strategy):
         if self.refresh is not None:
             self.refresh.wait_all()
 
+    def after_load(self) -> None:
+        # Backward masking checkpoints a sliced weight's held ranges only (its full tensor is not
+        # a parameter): the others come from their holders, as after every step.
+        if self.subnet.refresh:
+            broadcast_from_holders(
+                self.subnet.refresh,
+                rank=self.rank,
+                comm=None,
+                kind="weight_refresh",
+                bucket_cap_mb=self.bucket_cap_mb,
+                device=self.device,
+            )
+
     def comm_groups(self) -> int:
         return 1 + self.groups.joined(self.rank)
 
