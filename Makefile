@@ -1,7 +1,7 @@
 # make run           - set up, then the offline demo (4 processes on CPU, real data)
 # make test          - set up, then the test suite
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
-# make bench         - SDP vs DDP ratios on tiny models (CPU)
+# make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
 # make tables        - CPU-scale replicas of the paper's tables and plots (results/cpu_replica)
 # make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
 SHELL := /bin/bash
@@ -47,7 +47,8 @@ test-fast: setup
 memory-table: setup
 	$(PY) scripts/memory_table.py --world-size 8 --out results/tables/memory_estimates
 
-# DDP vs the four SDP variants on tiny models, 4 CPU processes: ratios of bytes, live peak, comm, step time.
+# DDP vs the four SDP variants (serial and overlapped) on tiny models, 4 CPU processes: ratios of bytes,
+# live peak, comm, step time, exposed communication, and the step-time model's check (about 8 min).
 bench: setup
 	$(PY) scripts/bench_sdp.py --out results/bench/sdp_cpu_k4.md
 

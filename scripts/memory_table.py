@@ -138,6 +138,8 @@ def _flat(row: dict, ddp: dict | None) -> dict:
         peak_gib=round(mem["peak_bytes"] / GIB, 3),
         **{f"peak_{k}_gib": round(v / GIB, 3) for k, v in mem["peak_breakdown"].items() if k != "total"},
         static_gib=round(static / GIB, 3),
+        comm_groups=mem["comm_groups"],
+        peak_with_comm_gib=round(mem["peak_with_comm_groups_bytes"] / GIB, 3),
         tflop_per_step=round(est["flops_per_step"] / 1e12, 3),
         comm_gib_per_step=round(est["comm_bytes_per_step"] / GIB, 3),
         note="",
@@ -164,6 +166,8 @@ COLUMNS = [
     ("peak_optimizer_gib", "optim"),
     ("peak_activations_gib", "acts"),
     ("peak_temporaries_gib", "temps"),
+    ("comm_groups", "NCCL groups"),
+    ("peak_with_comm_gib", "peak + communicators GiB"),
     ("tflop_per_step", "TFLOP/step"),
     ("comm_gib_per_step", "comm GiB/step"),
     ("note", "note"),
@@ -184,6 +188,8 @@ def markdown(records: list[dict], *, world_size: int, seconds: float) -> str:
         "AC: activation checkpointing of every block; bf16: bf16 compute with fp32 weights and optimizer state; "
         "FSDP: FSDP2 over the K ranks; SDP x FSDP(F): K = 8 SDP workers of F ranks each (world K x F, the same "
         "tokens per rank; *rank* is a global rank). "
+        "*NCCL groups*: the process groups the rank joins (the world included), each an NCCL communicator; "
+        "*peak + communicators* adds 688 MiB for each (`parallelism.comm_group_overhead_mb`, NVIDIA/nccl#964). "
         "A CUDA run adds the caching allocator's rounding and fragmentation on top (see `max_memory_reserved`).",
         "",
         "| " + " | ".join(title for _, title in COLUMNS) + " |",

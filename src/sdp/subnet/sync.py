@@ -154,19 +154,20 @@ def _cut(members: list[GradEntry], *, limits: tuple[int, int], block: Mapping[st
 class GradSync:
     """Average each trainable piece's gradient over its holders, one flat all-reduce per bucket.
 
-    Each entry's `piece.tensor` is a trainable parameter of this rank. With `overlap`,
-    a post-accumulate-grad hook copies a tensor's pieces into their buckets as soon as its
-    gradient is made, and a bucket's all-reduce is launched (asynchronously) once it is
-    complete and every bucket before it in this rank's launch order is launched: every
-    rank issues its collectives in one global order (NCCL needs that across communicators).
-    Calling the object waits for them all and writes the averages back into `.grad`.
-    Without `overlap` (the reference) the same buckets are averaged after the backward,
-    one at a time. Both give the same bits: the same buffers go through the same
-    all-reduces.
+    Each entry's `piece.tensor` is a trainable parameter of this rank. With `overlap`, a
+    post-accumulate-grad hook notes each tensor whose gradient the backward has made; a
+    bucket whose tensors have all arrived is packed (its pieces copied into one flat buffer)
+    at once, and its all-reduce is launched (asynchronously) once every bucket before it in
+    this rank's launch order is launched: every rank issues its collectives in one global
+    order (NCCL needs that across communicators). Calling the object waits for them all
+    and writes the averages back into `.grad`. Without `overlap` (the reference) the same
+    buckets are averaged after the backward, one at a time. Both give the same bits: the
+    same buffers go through the same all-reduces.
 
     A tensor whose gradient lies wholly in buckets (and is not an FSDP shard) drops its
-    `.grad` once copied in and gets it back from the averaged buckets, so the gradients
-    are held once, not twice, while the all-reduces are in flight.
+    `.grad` once all of its pieces are packed and gets it back from the averaged buckets,
+    so the gradients are held once, not twice, while the all-reduces are in flight; a
+    bucket's buffer exists only from its packing to its write-back.
     """
 
     def __init__(
@@ -186,36 +187,37 @@ class GradSync:
         self.buckets = [b for b in plan if groups.get(b.holders) is not None]
         self.active = True  # False on micro-batches before the last one of a step
         self.trace: list | None = None  # when a list: every launch as (holders, kind, index)
-        self._slots: dict[int, list[tuple[int, GradEntry, int]]] = {}
+        self._tensors = {id(e.piece.tensor): e.piece.tensor for e in entries}
+        self._slots: dict[int, list[int]] = {}  # tensor -> the buckets of its pieces, once per piece
         for i, b in enumerate(self.buckets):
-            for e, offset in zip(b.entries, b.offsets, strict=True):
-                self._slots.setdefault(id(e.piece.tensor), []).append((i, e, offset))
+            for e in b.entries:
+                self._slots.setdefault(id(e.piece.tensor), []).append(i)
         self._movable = self._movable_tensors()
         self._hooks = []
         if overlap:
-            tensors = {id(e.piece.tensor): e.piece.tensor for e in entries}
-            self._hooks = [tensors[t].register_post_accumulate_grad_hook(self._on_grad) for t in self._slots]
+            self._hooks = [self._tensors[t].register_post_accumulate_grad_hook(self._on_grad) for t in self._slots]
         self._reset()
 
     def _movable_tensors(self) -> set[int]:
         """Tensors (by id) whose whole gradient is in buckets: plain tensors, covered by synced pieces."""
         covered: dict[int, int] = {}
-        for slots in self._slots.values():
-            for _, e, _ in slots:
+        for b in self.buckets:
+            for e in b.entries:
                 covered[id(e.piece.tensor)] = covered.get(id(e.piece.tensor), 0) + _local_numel(e.piece)
         unsynced = {id(e.piece.tensor) for e in self.entries if self.groups.get(e.holders) is None}
-        tensors = {id(e.piece.tensor): e.piece.tensor for e in self.entries}
         return {
             t
             for t, n in covered.items()
-            if t not in unsynced and not isinstance(tensors[t], DTensor) and n == tensors[t].numel()
+            if t not in unsynced and not isinstance(self._tensors[t], DTensor) and n == self._tensors[t].numel()
         }
 
     def _reset(self) -> None:
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._aliased = [False] * len(self.buckets)  # the flat buffer is a tensor's own gradient
         self._works: list = [None] * len(self.buckets)
         self._events: list = [None] * len(self.buckets)  # the estimator's timeline handles
-        self._missing = [len(b.entries) for b in self.buckets]
+        self._missing = [len(b.entries) for b in self.buckets]  # pieces whose gradient has not arrived
+        self._unpacked = {t: len(slots) for t, slots in self._slots.items()}  # pieces not packed, by tensor
         self._hooked: set[int] = set()
         self._next = 0  # the next bucket to launch, in this rank's launch order
 
@@ -224,34 +226,46 @@ class GradSync:
             h.remove()
         self._hooks = []
 
-    def _flat(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        if self._flats[i] is None:
-            self._flats[i] = torch.empty(self.buckets[i].numel, dtype=like.dtype, device=like.device)
-        return self._flats[i]
-
-    def _copy_in(self, i: int, e: GradEntry, offset: int, grad: torch.Tensor | None) -> None:
-        src = e.piece.view(local(grad)) if grad is not None else None
-        flat = self._flat(i, local(e.piece.tensor))
-        dst = flat.narrow(0, offset, _local_numel(e.piece))
-        if src is None:  # no gradient reached this tensor: it contributes zeros, as under DDP
-            dst.zero_()
-        else:
-            dst.view(src.shape).copy_(src)
-        self._missing[i] -= 1
-
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: copy p's pieces into their buckets, launch what is ready."""
+        """Post-accumulate-grad hook: pack the buckets p completes, launch what is ready."""
         if not self.active:
             return
         if id(p) in self._hooked:
             raise RuntimeError("a gradient was accumulated twice in one backward; overlapped averaging needs one")
         self._hooked.add(id(p))
-        for i, e, offset in self._slots[id(p)]:
-            self._copy_in(i, e, offset, p.grad)
-        if id(p) in self._movable:
-            p.grad = None  # its values are in the buckets; written back once averaged
-        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+        for i in self._slots[id(p)]:
+            self._missing[i] -= 1
+            if self._missing[i] == 0:
+                self._pack(i)
+        while self._next < len(self.buckets) and self._flats[self._next] is not None:
             self._launch(self._next)
+
+    def _pack(self, i: int) -> None:
+        """Copy bucket i's pieces into its flat buffer; a moved tensor whose pieces are all
+        packed drops its `.grad`. A tensor no gradient reached contributes zeros, as under DDP.
+        A bucket of one whole tensor (a large one, a block's, a shared one) is its gradient
+        itself: averaged in place, with no copy that would double it in the backward."""
+        b = self.buckets[i]
+        whole = b.entries[0].piece.tensor
+        if len(b.entries) == 1 and whole.grad is not None and b.numel == local(whole).numel():
+            grad = local(whole.grad)
+            if grad.is_contiguous():
+                self._flats[i], self._aliased[i] = grad.view(-1), True
+                self._unpacked[id(whole)] -= 1
+                return
+        like = local(b.entries[0].piece.tensor)
+        flat = torch.empty(b.numel, dtype=like.dtype, device=like.device)
+        for e, offset in zip(b.entries, b.offsets, strict=True):
+            p, dst = e.piece.tensor, flat.narrow(0, offset, _local_numel(e.piece))
+            if p.grad is None:
+                dst.zero_()
+            else:
+                src = e.piece.view(local(p.grad))
+                dst.view(src.shape).copy_(src)
+            self._unpacked[id(p)] -= 1
+            if self._unpacked[id(p)] == 0 and id(p) in self._movable and id(p) in self._hooked:
+                p.grad = None  # its values are in the buckets; written back once averaged
+        self._flats[i] = flat
 
     def _launch(self, i: int) -> None:
         b, flat = self.buckets[i], self._flats[i]
@@ -262,22 +276,19 @@ class GradSync:
             self.trace.append((b.holders, b.kind, b.index))
         self._next = i + 1
 
-    def _fill(self, i: int) -> None:
-        """Copy into bucket i the gradients no hook brought (all of them without overlap)."""
-        for e, offset in zip(self.buckets[i].entries, self.buckets[i].offsets, strict=True):
-            if id(e.piece.tensor) not in self._hooked:
-                self._copy_in(i, e, offset, e.piece.tensor.grad)
-
     def _write_back(self, i: int) -> None:
         """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`."""
         b, flat = self.buckets[i], self._flats[i]
         self._works[i].wait()
         self.comm.need(self._events[i])
         flat.div_(len(b.holders))
+        if self._aliased[i]:  # the average is in .grad already
+            self._flats[i] = None
+            return
         with allocating("grads"):
             for e, offset in zip(b.entries, b.offsets, strict=True):
                 p = e.piece.tensor
-                if p.grad is None:  # moved into the buckets by the hook
+                if p.grad is None:  # moved into the buckets
                     p.grad = torch.empty_like(p)
                 view = e.piece.view(local(p.grad))
                 view.copy_(flat.narrow(0, offset, view.numel()).view(view.shape))
@@ -287,13 +298,14 @@ class GradSync:
         """Finish the step's averaging (collective); afterwards every `.grad` holds the average."""
         if self.overlap:
             for i in range(self._next, len(self.buckets)):  # buckets no hook completed
-                self._fill(i)
+                if self._flats[i] is None:
+                    self._pack(i)
                 self._launch(i)
             for i in range(len(self.buckets)):
                 self._write_back(i)
         else:
             for i in range(len(self.buckets)):
-                self._fill(i)
+                self._pack(i)
                 self._launch(i)
                 self._write_back(i)
         self._reset()
