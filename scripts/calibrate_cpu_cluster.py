@@ -11,7 +11,9 @@ Every process measures at once, as the processes of a run share the cores:
   over all processes for their own per-hop latency (gloo's is a few times cheaper);
 - the compute efficiency: one forward and backward of each bench model (the tiny LLaMA with a
   256-token vocabulary and the tiny ResNet, 16 samples), its counted FLOPs over its time, against
-  the peak; the file takes their mean.
+  the peak; the file takes their mean;
+- how much communication slows the compute beside it: matrix products timed alone and with a
+  queue of 1 MiB all-reduces in flight (gloo's threads share the cores).
 
 Rank 0 prints the YAML (and writes it with --out).
 """
@@ -110,6 +112,35 @@ def efficiency(overrides: list[str], batch: dict, peak: float) -> float:
     return counter.get_total_flops() / _timed(step) / peak
 
 
+def compute_share(k: int) -> float:
+    """The compute's slowdown per second of gloo all-reduces running beside it: the same
+    matrix products timed alone and with a queue of 1 MiB all-reduces in flight, over the
+    time the all-reduces ran beside them."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    products = 40
+
+    def compute() -> float:
+        start = time.perf_counter()
+        for _ in range(products):
+            a @ b
+        return time.perf_counter() - start
+
+    compute()
+    dist.barrier()
+    alone = statistics.median(compute() for _ in range(5))
+    tensors, comm, slowed = [torch.zeros(2**18) for _ in range(24)], [], []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(t, async_op=True) for t in tensors]  # queued: they run one after another
+        slowed.append(compute())
+        for work in works:
+            work.wait()
+        comm.append(time.perf_counter() - start)
+    beside = min(statistics.median(comm), statistics.median(slowed))  # the part that ran beside the compute
+    return max(0.0, (statistics.median(slowed) - alone) / beside)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -130,12 +161,14 @@ def main() -> None:
     points = collective_times(None, k) + collective_times(pairs[rank // 2], 2)
     alpha, beta = fit_links(points)
     hop, beta_b = fit_broadcast(collective_times(None, k, broadcast=True))
+    share = compute_share(k)
     per_rank = [None] * k
-    dist.all_gather_object(per_rank, (peak, mem, llama, resnet))
+    dist.all_gather_object(per_rank, (peak, mem, llama, resnet, share))
     if rank == 0:
         peak = statistics.mean(p for p, *_ in per_rank)
         mem = statistics.mean(m for _, m, *_ in per_rank)
-        eff = statistics.mean(e for *_, lla, res in per_rank for e in (lla, res))
+        eff = statistics.mean(e for _, _, lla, res, _ in per_rank for e in (lla, res))
+        share = statistics.mean(r[4] for r in per_rank)
         lines = [
             f"# This machine, {k} gloo processes on {torch.get_num_threads()} thread(s) each, measured by",
             f"# scripts/calibrate_cpu_cluster.py on {time.strftime('%Y-%m-%d')} (every process at once).",
@@ -154,6 +187,7 @@ def main() -> None:
             f"inter_node_latency_us: {alpha * 1e6:.1f}",
             f"broadcast_latency_us: {hop * 1e6:.1f}   # fitted per hop of gloo's broadcasts",
             f"broadcast_gbps: {beta_b / 1e9:.3f}        # fitted bandwidth of gloo's broadcasts",
+            f"comm_compute_share: {share:.2f}       # matmuls' slowdown per second of an all-reduce beside them",
         ]
         text = "\n".join(lines) + "\n"
         print(text)

@@ -50,6 +50,17 @@ def test_overlap_hides_what_finishes_before_it_is_needed():
     )
 
 
+def test_communication_beside_the_compute_can_slow_it():
+    # 0.1 s of all-reduce hidden behind 2 s of compute: free on separate engines, 0.05 s on
+    # shared cores at share 0.5; the serial schedule hides nothing, so it is unchanged.
+    cs = [c(issue=0.5e12, need=2e12)]
+    m = machine(intra_node_latency_us=0.0, comm_compute_share=0.5)
+    over = simulate(cs, step_flops=2e12, optimizer_bytes=0, cluster=m, precision="fp32")
+    serial = simulate(cs, step_flops=2e12, optimizer_bytes=0, cluster=m, precision="fp32", serial=True)
+    assert over.exposed_comm_s == 0.0 and over.step_s == pytest.approx(2.05)
+    assert serial.step_s == pytest.approx(2.1)
+
+
 def test_a_stall_delays_everything_after_it():
     m = machine(intra_node_latency_us=0.0)
     # The first collective stalls the compute by 0.1 s at 0.5 s; the second, issued at 1 s of

@@ -13,7 +13,9 @@ point). This module turns that timeline into seconds on a described machine:
 - the schedule: collectives run one at a time in issue order; each starts at
   its issue point (or when the previous one ends) and the compute stalls at a
   need point until that collective has ended. The stalls are the exposed
-  communication.
+  communication. Where communication shares the compute's cores (a CPU), the
+  communication hidden behind the compute still slows it by
+  `comm_compute_share` of its duration.
 
 `serial` replays the same collectives with every one issued at its need point
 (nothing overlaps), which is `parallelism.overlap_comm=false` for SDP and the
@@ -55,6 +57,10 @@ class Cluster:
     # broadcast is a few times cheaper than one step of its all-reduce); None: the link's.
     broadcast_latency_us: float | None = None
     broadcast_gbps: float | None = None
+    # The compute's slowdown per second of communication running beside it: 0 where links
+    # and compute are separate engines (GPUs; NCCL's kernels take a few SMs), large where
+    # the same CPU cores do both.
+    comm_compute_share: float = 0.0
     ranks_per_node: int = 0  # how the run's ranks sit on the nodes (set by `place`; 0: devices_per_node)
 
 
@@ -191,7 +197,9 @@ def simulate(
             stall += ends[i] - now
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + ends[i] - now
     compute_s = step_flops / rate
-    return StepTime(compute_s + optimizer_s + stall, compute_s, optimizer_s, stall, total, by_kind)
+    hidden = total - stall  # communication that ran beside the compute
+    step_s = compute_s + optimizer_s + stall + cluster.comm_compute_share * hidden
+    return StepTime(step_s, compute_s, optimizer_s, stall, total, by_kind)
 
 
 def optimizer_bytes(memory: dict) -> float:

@@ -51,7 +51,7 @@ from sdp.metrics.memory import local
 from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
 from sdp.subnet.apply import named_tensors
-from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, shard_dims
+from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, sdp_dimension_sets, shard_dims
 from sdp.subnet.resample import HOST, place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
@@ -73,9 +73,9 @@ class ShardedSDPStrategy(SDPStrategy):
             self.autocast_dtype = torch.bfloat16
 
     def comm_groups(self) -> int:
-        # The mesh's two dimensions are a group each (every rank is in one of each), besides
-        # the holder sets' groups of this rank's shard index.
-        return super().comm_groups() + sum(1 for d in self.mesh.mesh_dim_names if self.mesh[d].size() > 1)
+        # The holder sets' groups of this rank's shard index (the mesh's sdp-dimension group
+        # among them) and the mesh's fsdp-dimension group.
+        return super().comm_groups() + (1 if self.fsdp_mesh.size() > 1 else 0)
 
     @property
     def worker(self) -> int:
@@ -94,7 +94,12 @@ class ShardedSDPStrategy(SDPStrategy):
         return ranks_of(workers, shard, fsdp_degree=self.fsdp_degree)
 
     def _register_groups(self, holder_sets) -> None:
-        # Every rank takes part in creating every group, in the same order.
+        # The holder set of every worker, at shard index f, is the mesh's sdp-dimension group of
+        # shard f: one communicator, not two. Then every rank takes part in creating every
+        # other group, in the same order.
+        if self.mesh["sdp"].size() > 1:
+            everyone = sdp_dimension_sets(self.world_size, fsdp_degree=self.fsdp_degree)
+            self.groups.adopt(everyone, rank=self.rank, group=self.mesh["sdp"].get_group())
         self.groups.add(rank_sets(holder_sets, fsdp_degree=self.fsdp_degree, replicated=bool(self.replicated)))
 
     def _finish_subnet(self) -> list[GradEntry]:

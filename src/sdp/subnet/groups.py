@@ -11,7 +11,8 @@ and each resample may add more (groups are kept for the rest of the run).
 Under SDP x FSDP the holders are workers of F ranks each: a holder set's
 gradient shards are averaged over the holders' ranks of one shard index
 ({h*F + f}), so a holder set has F groups, plus one over all of its holders'
-ranks when some tensors are replicated on a worker's ranks.
+ranks when some tensors are replicated on a worker's ranks; the holder set of
+every worker uses the mesh's sdp-dimension groups, which exist anyway.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def rank_sets(holder_sets: Iterable[tuple[int, ...]], *, fsdp_degree: int, repli
     return sets
 
 
+def sdp_dimension_sets(workers: int, *, fsdp_degree: int) -> list[tuple[int, ...]]:
+    """The rank sets of the SDP x FSDP mesh's sdp dimension ({k * F + f : every k}, one per shard
+    index f): the holder set of every worker at each shard index, served by the mesh's groups."""
+    return [ranks_of(tuple(range(workers)), f, fsdp_degree=fsdp_degree) for f in range(fsdp_degree)]
+
+
 def joined(sets: Iterable[tuple[int, ...]], *, rank: int, world_size: int) -> int:
     """How many process groups `rank` is a member of among these rank sets, WORLD not counted
     (a set of every rank is WORLD; a single rank needs no group)."""
@@ -86,6 +93,13 @@ class HolderGroups:
                 self._groups[hs] = dist.new_group(list(hs))
             else:
                 self._groups[hs] = None
+
+    def adopt(self, sets: list[tuple[int, ...]], *, rank: int, group) -> None:
+        """Serve these rank sets with a group that exists already (the member `rank` is in:
+        `group`; the others it is not in), instead of making new ones; every rank adopts the
+        same sets before it adds others, so all of them skip the same `new_group` calls."""
+        for hs in sets:
+            self._groups.setdefault(hs, group if rank in hs else dist.GroupMember.NON_GROUP_MEMBER)
 
     def get(self, holders: tuple[int, ...]):
         return self._groups[holders]

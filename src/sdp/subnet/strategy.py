@@ -24,7 +24,7 @@ from sdp.subnet.apply import (
     forward_assembly,
     named_tensors,
 )
-from sdp.subnet.groups import REPLICATED, HolderGroups, joined, rank_sets, shard_dims
+from sdp.subnet.groups import REPLICATED, HolderGroups, joined, rank_sets, sdp_dimension_sets, shard_dims
 from sdp.subnet.mask import Mask, build_mask, mask_stats
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
@@ -80,6 +80,8 @@ def planned_comm_groups(
         if stop_above is None and epoch < epochs - 1:
             continue
         sets = rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated)
+        if fsdp_degree > 1:  # served by the mesh's sdp-dimension groups, counted with the mesh
+            sets = [hs for hs in sets if hs not in sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)]
         counts = [1 + mesh + joined(sets, rank=r, world_size=world) for r in range(world)]
         if stop_above is not None and max(counts) > stop_above:
             break
