@@ -218,7 +218,8 @@ class DDPStrategy(Strategy):
         # Gradients made so far in this step, and in the step before: the last one is marked
         # (one CUDA event a step, not one per parameter).
         self._made, self._expected = 0, 0
-        self._cap, self._bucket = int(cfg.bucket_cap_mb * 2**20), [0, 0]  # the step-time model's [index, bytes]
+        # The step-time model's record of the reducer's buckets: [index, bytes] of the one filling.
+        self._cap, self._bucket = int(cfg.bucket_cap_mb * 2**20), [0, 0]
         comm.track_waits()
         for p in model.parameters():
             if p.requires_grad:
@@ -230,15 +231,14 @@ class DDPStrategy(Strategy):
             self._last_grad = self.comm.start()
         if self.comm.timeline is not None:  # the estimator's record of the reducer's buckets
             self._bucket[1] += p.numel() * p.element_size()
-            first = self._cap if self._cap != 25 * 2**20 else dist._DEFAULT_FIRST_BUCKET_BYTES  # as DDP's
-            if self._bucket[1] >= (first if self._bucket[0] == 0 else self._cap):
+            if self._bucket[1] >= self._cap:
                 self._close_bucket()
 
     def _close_bucket(self) -> None:
         """A bucket of DDP's: after its first step the reducer buckets gradients in the order they
-        arrive, 1 MiB for the first (bucket_cap_mb when that is not the default) and bucket_cap_mb
-        for the others, and all-reduces each when
-        full. (The estimator cannot let the reducer rebuild: that reads tensor data.)"""
+        arrive, bucket_cap_mb each (the first too: DDP keeps a 1 MiB first bucket only when no cap
+        is given, and this strategy always gives one), and all-reduces each when full. (The
+        estimator cannot let the reducer rebuild: that reads tensor data.)"""
         if self._bucket[1]:
             self.comm.event("all_reduce", "grad_sync", self._bucket[1], tuple(range(dist.get_world_size())))
         self._bucket = [self._bucket[0] + 1, 0]

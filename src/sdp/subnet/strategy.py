@@ -74,14 +74,14 @@ def planned_comm_groups(
     every = cfg.resample_every
     # The cyclic construction's holder sets are the same in every epoch (only the chunks move).
     epochs = (steps - 1) // every + 1 if every and steps > 1 and cfg.construction != "cyclic" else 1
+    # Under SDP x FSDP the mesh's sdp-dimension groups serve the holder set of every worker.
+    meshed = set(sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)) if fsdp_degree > 1 else set()
     holder_sets: set[tuple[int, ...]] = {tuple(range(workers))}
     for epoch in range(epochs):
         holder_sets |= set(mask_of(spec, cfg, world_size=workers, epoch=epoch).holder_sets())
         if stop_above is None and epoch < epochs - 1:
             continue
-        sets = rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated)
-        if fsdp_degree > 1:  # served by the mesh's sdp-dimension groups, counted with the mesh
-            sets = [hs for hs in sets if hs not in sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)]
+        sets = [hs for hs in rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated) if hs not in meshed]
         counts = [1 + mesh + joined(sets, rank=r, world_size=world) for r in range(world)]
         if stop_above is not None and max(counts) > stop_above:
             break

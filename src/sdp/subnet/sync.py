@@ -113,7 +113,7 @@ def plan_buckets(
     A holder set's pieces are taken in the order the backward produces them (the reverse
     of `position`, a plain-model name's place in the plain model, the same on every rank)
     and cut into buckets of `first_bytes` (at most `cap_bytes`) for the first and
-    `cap_bytes` for the others, as DDP does. A bucket also ends where the backward leaves
+    `cap_bytes` for the others, as DDP does with its default cap. A bucket also ends where the backward leaves
     a block (`block`: a plain name's block index) once it holds a quarter of its cap: a
     holder set's pieces are spread through the depth, and a large tensor whose gradient is
     ready early (the LM head) must not wait for small ones of every layer (norm scales).
@@ -253,7 +253,7 @@ class GradSync:
                 self._flats[i], self._aliased[i] = grad.view(-1), True
                 self._unpacked[id(whole)] -= 1
                 return
-        like = local(b.entries[0].piece.tensor)
+        like = local(whole)
         flat = torch.empty(b.numel, dtype=like.dtype, device=like.device)
         for e, offset in zip(b.entries, b.offsets, strict=True):
             p, dst = e.piece.tensor, flat.narrow(0, offset, _local_numel(e.piece))
