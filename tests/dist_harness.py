@@ -7,6 +7,7 @@ not verdicts: the assertions live in the test.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -15,8 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 from conftest import TINY_MODELS, tiny_model_cfg
+from torch.nn.parallel import DistributedDataParallel
 
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.memory import local
 from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
@@ -48,8 +51,19 @@ def make(
     fsdp: bool = False,
     overlap: bool = True,
     autocast: torch.dtype | None = None,
+    loss_chunk: int | None = None,
 ):
+    """A tiny model under DDP (`masking=None`), FSDP or SDP; with `loss_chunk`, a LLaMA computes
+    its loss itself, that many tokens at a time (`Strategy.loss_in_model`)."""
     cfg = tiny_model_cfg(family)
+    if loss_chunk is not None:
+        cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=loss_chunk)
+    strategy = _make(family, masking, comm, cfg, ac=ac, fsdp=fsdp, overlap=overlap, autocast=autocast)
+    strategy.loss_in_model = loss_chunk is not None
+    return strategy
+
+
+def _make(family: str, masking, comm: CommCounter, cfg, *, ac: str, fsdp: bool, overlap: bool, autocast):
     torch.manual_seed(0)
 
     def checkpointing(model):
@@ -58,9 +72,11 @@ def make(
     if masking is None:
         model = build_model(cfg)
         checkpointing(model)
+        precision = "bf16" if autocast is not None else "fp32"
+        par = ParallelConfig(name="fsdp" if fsdp else "ddp", mixed_precision=precision)
         if fsdp:
-            return FSDPStrategy(model, ParallelConfig(name="fsdp"), family=family, device=CPU, comm=comm)
-        return DDPStrategy(model, ParallelConfig(), device=CPU, comm=comm)
+            return FSDPStrategy(model, par, family=family, device=CPU, comm=comm)
+        return DDPStrategy(model, par, device=CPU, comm=comm)
     return SDPStrategy(
         build_model(cfg),
         masking,
@@ -175,6 +191,13 @@ def stacking() -> dict:
             checkpointed = make(family, masking, CommCounter(), ac="full")
             train(checkpointed, family, steps=3)
             res[f"{mode}_ac_full"] = max_diff(base, checkpointed.full_parameters())
+        if family == "llama":  # the LM head and loss chunked against full, under FSDP
+            res["fsdp_loss"] = {
+                d: loss_check(
+                    lambda chunk, a=a: make("llama", None, CommCounter(), fsdp=True, autocast=a, loss_chunk=chunk)
+                )
+                for d, a in (("fp32", None), ("bf16", torch.bfloat16))
+            }
         if family in SHARDED_FAMILIES:  # the references of the SDP x FSDP check (K = 2 workers, F = 2)
             for gran, masking in SHARDED_MASKINGS.items():
                 ref = make(family, masking, CommCounter())
@@ -249,9 +272,13 @@ def sharded() -> dict:
         out[family] = {}
         for gran, masking in SHARDED_MASKINGS.items():
 
-            def sharded_sdp(overlap: bool, cfg=cfg, family=family, masking=masking) -> ShardedSDPStrategy:
+            def sharded_sdp(
+                overlap: bool, cfg=cfg, family=family, masking=masking, chunk: int | None = None
+            ) -> ShardedSDPStrategy:
+                if chunk is not None:
+                    cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=chunk)
                 torch.manual_seed(0)
-                return ShardedSDPStrategy(
+                strategy = ShardedSDPStrategy(
                     build_model(cfg),
                     masking,
                     family=family,
@@ -264,6 +291,8 @@ def sharded() -> dict:
                     make_plain=lambda: build_model(cfg),
                     overlap=overlap,
                 )
+                strategy.loss_in_model = chunk is not None
+                return strategy
 
             sdp = sharded_sdp(True)
             optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
@@ -279,6 +308,8 @@ def sharded() -> dict:
                 serial = sharded_sdp(False)
                 train(serial, family, steps=3, optim=SHARDED_OPTIM)
                 out[family][gran]["overlap_vs_serial"] = max(gathered(max_diff(full, serial.full_parameters())))
+            if family == "llama":  # the LM head and loss chunked against full
+                out[family][gran]["loss"] = loss_check(lambda chunk, build=sharded_sdp: build(True, chunk=chunk))
     return out
 
 
@@ -441,7 +472,59 @@ def _predicted_held(sdp: SDPStrategy, family: str, rank: int) -> int:
 def holders() -> dict:
     out = {f"{family}-{gran}": holders_check(family, gran) for family in TINY_MODELS for gran in ("neuron", "block")}
     out["overlap"] = overlap_checks()
+    out["loss"] = loss_checks()
     return out
+
+
+def loss_check(build) -> dict:
+    """One step of the tiny LLaMA with the LM head and loss computed 24 tokens at a time (of 64
+    a rank) against the full-size loss: the loss and every gradient this rank trains, after the
+    strategy's gradient sync, as each tensor's largest difference relative to its largest entry
+    (the LM head's weight apart). `build(loss_chunk)` makes the strategy (see `make`)."""
+    runs = []
+    for chunk in (None, 24):
+        strategy = build(chunk)
+        strategy.model.train()
+        with strategy.autocast():
+            loss, _ = forward_loss(strategy.model, batch("llama", dist.get_rank(), 0), in_model=chunk is not None)
+        loss.backward()
+        strategy.after_backward()
+        model = strategy.model.module if isinstance(strategy.model, DistributedDataParallel) else strategy.model
+        head = model.get_parameter("lm_head.weight")
+        runs.append((loss.detach(), [(p is head, local(p.grad).clone()) for p in strategy.trainable()]))
+    (loss_full, grads_full), (loss_chunked, grads_chunked) = runs
+    rel = [
+        (is_head, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+        for (is_head, a), (_, b) in zip(grads_chunked, grads_full, strict=True)
+    ]
+    return {
+        "loss_rel": max(gathered(((loss_chunked - loss_full).abs() / loss_full.abs()).item())),
+        "grad_rel": max(gathered(max(r for is_head, r in rel if not is_head))),
+        "head_grad_rel": max(gathered(max(r for is_head, r in rel if is_head))),
+        "tensors": min(gathered(len(rel))),
+    }
+
+
+LOSS_MASKINGS = {
+    "ddp": None,
+    **{
+        f"{m}-{g}": MaskingConfig(name=m, granularity=g, coverage=0.5)
+        for m in ("backward", "forward")
+        for g in ("neuron", "block")
+    },
+}
+
+
+def loss_checks() -> dict:
+    return {
+        f"{name}-{dtype}": loss_check(
+            lambda chunk, masking=masking, autocast=autocast: make(
+                "llama", masking, CommCounter(), autocast=autocast, loss_chunk=chunk
+            )
+        )
+        for name, masking in LOSS_MASKINGS.items()
+        for dtype, autocast in (("fp32", None), ("bf16", torch.bfloat16))
+    }
 
 
 def trainer_steps(

@@ -58,13 +58,13 @@ def arm(fault: str) -> None:
     elif kind == "nan":
         real_loss, calls = sdp.trainer.forward_loss, [0]
 
-        def loss_with_a_nan(model, batch):
-            loss, logits = real_loss(model, batch)
+        def loss_with_a_nan(model, batch, **kwargs):
+            loss, correct = real_loss(model, batch, **kwargs)
             if model.training:
                 calls[0] += 1
                 if calls[0] == step:
                     loss = loss * float("nan")
-            return loss, logits
+            return loss, correct
 
         sdp.trainer.forward_loss = loss_with_a_nan
     else:

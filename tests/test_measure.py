@@ -84,7 +84,7 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
 def test_untraceable_step_is_one_clear_error(monkeypatch):
     import sdp.trainer
 
-    def data_dependent(model, batch):
+    def data_dependent(model, batch, **kwargs):
         torch.nonzero(batch["targets"])  # output shape depends on values: a fake tensor cannot tell
         raise AssertionError("unreachable under FakeTensorMode")
 

@@ -223,3 +223,22 @@ def test_bad_parallelism_is_one_clear_error(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
         estimator_config([*TINY, *overrides])
     assert str(info.value).startswith(key) and fragment in str(info.value)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunked_loss_equals_full_under_fsdp(stacking, dtype):
+    # K = 2, one step, 24 of each rank's 64 tokens a chunk: the root's LM head runs once per chunk
+    # in the forward and again in the backward, on its gathered weight (bf16 under bf16's policy).
+    res = stacking["llama"]["fsdp_loss"][dtype]
+    assert res["tensors"] > 1
+    assert res["loss_rel"] <= 1e-5 and res["grad_rel"] <= 1e-5
+    assert res["head_grad_rel"] <= (1e-5 if dtype == "fp32" else 2**-7)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample"])
+def test_chunked_loss_equals_full_under_sdp_x_fsdp(sharded, granularity):
+    res = sharded["llama"][granularity]["loss"]  # 2 workers x 2 shards, fp32, one step
+    assert res["tensors"] > 1
+    assert res["loss_rel"] <= 1e-5 and res["grad_rel"] <= 1e-5 and res["head_grad_rel"] <= 1e-5

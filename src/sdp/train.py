@@ -33,7 +33,7 @@ from sdp.data import build_data, prepare_data
 from sdp.errors import ConfigError, RunFailed
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger, write_json_atomic
-from sdp.models import build_model
+from sdp.models import build_model, computes_loss
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
@@ -165,6 +165,20 @@ def build_strategy(
     `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors);
     `mask_epoch` is the SDP mask epoch to start in (a resumed run's).
     """
+    strategy = _wrapped(cfg, world=world, device=device, comm=comm, build=build, mask_epoch=mask_epoch)
+    strategy.loss_in_model = computes_loss(cfg.model)
+    return strategy
+
+
+def _wrapped(
+    cfg: RunConfig,
+    *,
+    world: dist.World,
+    device: torch.device,
+    comm: CommCounter,
+    build: Callable[[Any], torch.nn.Module],
+    mask_epoch: int,
+) -> Strategy:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     par = cfg.parallelism
 

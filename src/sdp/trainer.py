@@ -104,13 +104,19 @@ def micro_batch_size(cfg: TrainerConfig, *, world_size: int) -> int:
     return cfg.global_batch_size // (world_size * cfg.grad_accum_steps)
 
 
-def forward_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of a batch, and the logits. One loss serves LMs and classifiers:
-    text batches carry next-token targets already shifted by the data pipeline."""
+def forward_loss(model: nn.Module, batch: dict, *, in_model: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean cross-entropy of a batch and, with gradients off (evaluation), the number of correct
+    predictions (None otherwise). One loss serves LMs and classifiers: text batches carry
+    next-token targets already shifted by the data pipeline. `in_model`: the model computes
+    it itself from `targets` (the LLaMA's, chunked or full; `Strategy.loss_in_model`)."""
+    if in_model:
+        return model(batch["inputs"], targets=batch["targets"])
     out = model(batch["inputs"])
     logits = out.logits if hasattr(out, "logits") else out
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), batch["targets"].flatten())
-    return loss, logits
+    targets = batch["targets"].flatten()
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), targets)
+    correct = None if torch.is_grad_enabled() else (logits.flatten(0, -2).argmax(-1) == targets).sum()
+    return loss, correct
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -163,11 +169,11 @@ def evaluate(
         for batch in data.make_eval():
             batch = _to_device(batch, device)
             with strategy.autocast():
-                loss, logits = forward_loss(full, batch)
+                loss, correct = forward_loss(full, batch, in_model=strategy.loss_in_model)
             n = batch["targets"].numel()
             totals[0] += loss.double() * n
             totals[1] += n
-            totals[2] += (logits.argmax(-1) == batch["targets"]).sum()
+            totals[2] += correct
         if export is not None:
             state = strategy.plain_state_dict(full)
             if write_export:
@@ -231,7 +237,7 @@ def train_step(
         last_micro = i == cfg.grad_accum_steps - 1
         with contextlib.nullcontext() if last_micro else strategy.no_sync():
             with timer("forward"), strategy.autocast():
-                loss, _ = forward_loss(model, batch)
+                loss, _ = forward_loss(model, batch, in_model=strategy.loss_in_model)
             with timer("backward"):
                 (loss / cfg.grad_accum_steps).backward()
         step_loss += loss.detach() / cfg.grad_accum_steps

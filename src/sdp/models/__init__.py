@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from sdp.errors import ConfigError
+from sdp.models.loss import LOSSES
 
 
 @dataclass
@@ -31,6 +32,11 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # The loss: chunked computes the LM head and the cross-entropy loss_chunk_tokens tokens at a
+    # time (no full-size fp32 logits in the forward or backward; see sdp.models.loss); full
+    # makes every token's logits at once.
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
@@ -79,6 +85,10 @@ def validate_model(cfg: ModelConfig) -> None:
             raise ConfigError("model.num_heads", cfg.num_heads, f"must divide model.hidden_size={cfg.hidden_size}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError("model.num_kv_heads", cfg.num_kv_heads, f"must divide model.num_heads={cfg.num_heads}")
+        if cfg.loss not in LOSSES:
+            raise ConfigError("model.loss", cfg.loss, f"allowed: {', '.join(LOSSES)}")
+        if cfg.loss_chunk_tokens < 1:
+            raise ConfigError("model.loss_chunk_tokens", cfg.loss_chunk_tokens, "must be >= 1")
     elif isinstance(cfg, ResNetConfig):
         if len(cfg.layers) != 4 or min(cfg.layers) < 1:
             raise ConfigError("model.layers", cfg.layers, "four stages of >= 1 BasicBlock each, e.g. [2, 2, 2, 2]")
@@ -104,6 +114,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
         return build_swin(cfg)
     raise ConfigError("model.family", getattr(cfg, "family", None), f"allowed: {', '.join(FAMILIES)}")
+
+
+def computes_loss(cfg: ModelConfig) -> bool:
+    """Whether the model built from `cfg` computes its loss in its forward, given `targets`
+    (LLaMA: `sdp.models.llama.LlamaLM`); the others return logits."""
+    return isinstance(cfg, LlamaConfig)
 
 
 def count_params(model: nn.Module) -> int:

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 import transformers
 
 from sdp.models import LlamaConfig
+from sdp.models.loss import chunked_cross_entropy
 
 
-def build_llama(cfg: LlamaConfig) -> transformers.LlamaForCausalLM:
+class LlamaLM(transformers.LlamaForCausalLM):
+    """transformers' LLaMA, unchanged, whose forward also computes its own loss when given
+    next-token `targets`: then it returns (mean cross-entropy, correct predictions or None),
+    the LM head run over all tokens at once (`loss_chunk_tokens=None`) or chunk by chunk."""
+
+    def __init__(self, config: transformers.LlamaConfig, *, loss_chunk_tokens: int | None = None):
+        super().__init__(config)
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None, **kwargs):
+        if targets is None:
+            return super().forward(input_ids=input_ids, **kwargs)
+        hidden_ND = self.model(input_ids=input_ids, **kwargs).last_hidden_state.flatten(0, 1)
+        targets_N = targets.flatten()
+        if self.loss_chunk_tokens is not None:
+            return chunked_cross_entropy(self.lm_head, hidden_ND, targets_N, chunk=self.loss_chunk_tokens)
+        logits_NV = self.lm_head(hidden_ND)
+        loss = F.cross_entropy(logits_NV.float(), targets_N)
+        correct = None if torch.is_grad_enabled() else (logits_NV.argmax(-1) == targets_N).sum()
+        return loss, correct
+
+
+def build_llama(cfg: LlamaConfig) -> LlamaLM:
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -23,4 +48,5 @@ def build_llama(cfg: LlamaConfig) -> transformers.LlamaForCausalLM:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    return transformers.LlamaForCausalLM(hf_cfg)
+    chunk = cfg.loss_chunk_tokens if cfg.loss == "chunked" else None
+    return LlamaLM(hf_cfg, loss_chunk_tokens=chunk)

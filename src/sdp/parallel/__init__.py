@@ -119,6 +119,9 @@ class Strategy:
     replicated_state: bool = False
     # Autocast dtype of the forward (bf16 mixed precision without FSDP); None: fp32.
     autocast_dtype: torch.dtype | None = None
+    # The model's forward computes the loss itself from `targets` (the LLaMA's; see
+    # sdp.models.llama.LlamaLM); set by whoever builds the strategy from the model config.
+    loss_in_model: bool = False
 
     def autocast(self):
         """Context for the forward pass: bf16 autocast with fp32 weights, or nothing."""
