@@ -71,7 +71,7 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
     with dist.fake_process_group(rank, world_size):
         with skip_ddp_shape_check():
             strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter())
-        optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+        optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
         batches = itertools.repeat(dummy_batch(cfg, micro))
         timer = PhaseTimer(device)
 

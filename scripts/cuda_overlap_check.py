@@ -57,7 +57,7 @@ def overhead(model: str, variant: list[str], *, overlap: bool, steps: int, devic
     with dist.fake_process_group(0, 8):
         world = dist.World(rank=0, local_rank=0, world_size=8)
         strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter(device))
-        optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+        optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
         batch = {k: v.to(device) for k, v in dummy_batch(cfg, micro).items()}
         batches, timer = itertools.repeat(batch), PhaseTimer(device)
 

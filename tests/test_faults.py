@@ -130,3 +130,26 @@ def test_a_nan_stops_the_run_and_a_resume_can_skip_it(tmp_path):
     assert summary["status"] == "completed" and summary["nonfinite_skipped_steps"] == [3]
     assert {"step": 3, "nonfinite_skipped": 1} in records
     assert all(r["train_loss"] == r["train_loss"] for r in records if "train_loss" in r)  # no NaN logged
+
+
+def test_a_nan_under_a_fused_optimizer_is_found_at_the_next_log_step_and_never_applied(tmp_path):
+    # The device decides (found_inf) and the host reads the verdict at log steps only: rank 1's
+    # loss is NaN in step 3, read at step 4. Updates 3 and 4 were skipped, so the run stops as the
+    # host check would have, with step 2's checkpoint kept and nothing logged after it.
+    run_dir = tmp_path / "run"
+    fused = ["optim.implementation=fused", "trainer.log_every=4"]
+    proc = with_fault("nan:1:3", [*RUN, f"run_dir={run_dir}", *fused], cwd=tmp_path)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "[rank" not in proc.stderr  # one line, no traceback
+    assert "step 3: non-finite loss or gradient (rank 0: loss 8." in ours[0]
+    assert "rank 1: loss nan, non-finite gradients in model.embed_tokens.weight" in ours[0]
+    assert "(found at step 4: the updates of steps 3-4 were skipped)" in ours[0]
+    assert "the last checkpoint, step 2, is kept" in ours[0]
+    diagnostic = json.loads((run_dir / "nonfinite_step_3.json").read_text())
+    assert [r["nonfinite_loss"] for r in diagnostic["ranks"]] == [False, True]
+    assert all(r["nonfinite_grads"] for r in diagnostic["ranks"])
+    assert [c.step for c in complete_checkpoints(run_dir)] == [2]
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "failed"
+    assert all(r["step"] <= 2 for r in records)

@@ -11,6 +11,7 @@ import torch
 from sdp.errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "constant")
+IMPLEMENTATIONS = ("auto", "fused", "foreach")
 
 
 @dataclass
@@ -25,12 +26,18 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant, after a linear warmup
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
+    # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
+    # guard's found_inf, see sdp.nonfinite); foreach: torch's multi-tensor one. auto: fused on
+    # CUDA, torch's default elsewhere (on CPU its per-tensor loop: the CPU results so far).
+    implementation: str = "auto"
 
 
 def validate_optim(cfg: OptimConfig) -> None:
     """Reject values the optimizer or schedule cannot use."""
     if cfg.name not in ("adamw", "sgd"):
         raise ConfigError("optim.name", cfg.name, "allowed: adamw, sgd")
+    if cfg.implementation not in IMPLEMENTATIONS:
+        raise ConfigError("optim.implementation", cfg.implementation, f"allowed: {', '.join(IMPLEMENTATIONS)}")
     if cfg.schedule not in SCHEDULES:
         raise ConfigError("optim.schedule", cfg.schedule, f"allowed: {', '.join(SCHEDULES)}")
     if not cfg.lr > 0:
@@ -41,12 +48,22 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise ConfigError("optim.min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]")
 
 
-def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Build the optimizer over `params` (only the tensors this rank trains)."""
+def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:
+    """Whether optim.implementation gives the fused kernels on `device` (None: CPU)."""
+    return cfg.implementation == "fused" or (
+        cfg.implementation == "auto" and device is not None and device.type == "cuda"
+    )
+
+
+def build_optimizer(params, cfg: OptimConfig, *, device: torch.device | None = None) -> torch.optim.Optimizer:
+    """Build the optimizer over `params` (only the tensors this rank trains) on `device`."""
+    kind = {"fused": True} if is_fused(cfg, device) else {"foreach": True if cfg.implementation == "foreach" else None}
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **kind
+        )
     return torch.optim.SGD(
-        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, **kind
     )
 
 

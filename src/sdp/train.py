@@ -318,7 +318,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         torch.manual_seed(cfg.seed + world.rank)
         summary["n_params"] = strategy.full_params
         summary.update(strategy.describe())
-        optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+        optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
         scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
         measured = None
         if ckpt:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -17,15 +17,16 @@ from tqdm import tqdm
 
 from sdp import dist
 from sdp.data import DataBundle
-from sdp.errors import ConfigError, RunFailed
+from sdp.data.prefetch import to_device
+from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter, exposed_comm
-from sdp.metrics.flops import flop_counter, peak_flops
-from sdp.metrics.logger import RunLogger, write_json_atomic
-from sdp.metrics.memory import LivePeak, cuda_peaks, local
+from sdp.metrics.flops import attention_heads, flop_counter, model_flops_per_token, peak_entry
+from sdp.metrics.logger import RunLogger
+from sdp.metrics.memory import LivePeak, cuda_peaks
+from sdp.nonfinite import POLICIES, NonFiniteGuard, NonFiniteStep, check_finite, handle_nonfinite, skips_on_device
 from sdp.parallel import Strategy
 
 PROTOCOLS = ("same_iteration", "flop_matched")
-ON_NONFINITE = ("stop", "skip", "off")
 
 
 @dataclass
@@ -56,9 +57,9 @@ class TrainerConfig:
     # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
     protocol: str = "same_iteration"
     # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
-    # before the update): stop (write nonfinite_step_N.json and fail, keeping the last good
-    # checkpoint), skip (drop the update; stop after max_nonfinite_skips such steps) or off
-    # (no check: saves one host sync and a 2-element all-reduce per step).
+    # before the update; see sdp.nonfinite): stop (write nonfinite_step_N.json and fail,
+    # keeping the last good checkpoint), skip (drop the update; stop after max_nonfinite_skips
+    # such steps) or off (no check: saves a 2-element all-reduce per step).
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
 
@@ -73,8 +74,8 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
     if cfg.protocol not in PROTOCOLS:
         raise ConfigError("trainer.protocol", cfg.protocol, f"allowed: {', '.join(PROTOCOLS)}")
-    if cfg.on_nonfinite not in ON_NONFINITE:
-        raise ConfigError("trainer.on_nonfinite", cfg.on_nonfinite, f"allowed: {', '.join(ON_NONFINITE)}")
+    if cfg.on_nonfinite not in POLICIES:
+        raise ConfigError("trainer.on_nonfinite", cfg.on_nonfinite, f"allowed: {', '.join(POLICIES)}")
     if cfg.max_nonfinite_skips < 0:
         raise ConfigError("trainer.max_nonfinite_skips", cfg.max_nonfinite_skips, "must be >= 0")
     if cfg.keep_checkpoints < 1:
@@ -194,22 +195,76 @@ PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
 
 class PhaseTimer:
-    """Wall time per phase of a step. On CUDA each phase ends by synchronizing the compute
-    stream, so a phase's time is its own work (DDP's all-reduce overlaps the backward and
-    counts there); collectives still running on NCCL's own streams (SDP's overlapped
-    averaging) are not waited for there, but where the compute needs them."""
+    """Time per phase of a step, without making the host wait for the device. On CUDA each
+    compute phase is timed by two CUDA events on the compute stream, read at `read()` (where
+    the host syncs anyway): the device's time from the phase's first kernel to its last, so
+    DDP's all-reduce, which overlaps the backward, counts there, and collectives still running
+    on NCCL's streams (SDP's overlapped averaging) count where the compute waits for them. The
+    data phase is the host's wait for a batch; on CPU every phase is wall time. Phases run
+    while `active` is false (profiled steps) are not counted."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.totals = dict.fromkeys(PHASES, 0.0)
+        self.active = True
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        if self.device.type == "cuda" and phase != "data":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            if self.active:
+                self._events.append((phase, start, end))
+            return
         t0 = time.perf_counter()
         yield
+        if self.active:
+            self.totals[phase] += time.perf_counter() - t0
+
+    def read(self) -> dict[str, float]:
+        """Seconds per phase so far (waits for the phases the device has still to finish)."""
+        for phase, start, end in self._events:
+            end.synchronize()
+            self.totals[phase] += start.elapsed_time(end) / 1000
+        self._events.clear()
+        return dict(self.totals)
+
+
+class StepClock:
+    """Wall time of the timed steps, counted in windows that end where the host waits for the
+    device anyway (log, eval and checkpoint steps, profiled steps): the steps in between
+    run without a host sync, the host queueing work ahead of the device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds, self.steps = 0.0, 0
+        self._since: float | None = None
+        self._pending = 0
+
+    def start(self) -> None:
+        """Open a window if none is open (at the start of a timed step)."""
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def count(self) -> None:
+        """A timed step ran in the open window."""
+        self._pending += 1
+
+    def stop(self) -> None:
+        """Wait for the device, and close the open window."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.totals[phase] += time.perf_counter() - t0
+            torch.cuda.synchronize(self.device)
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self.steps += self._pending
+        self._since, self._pending = None, 0
+
+    def step_time(self) -> float | None:
+        return self.seconds / self.steps if self.steps else None
 
 
 def train_step(
@@ -221,10 +276,13 @@ def train_step(
     micro: int,
     device: torch.device,
     timer: PhaseTimer,
+    guard: NonFiniteGuard | None = None,
 ) -> torch.Tensor:
     """One optimizer step over cfg.grad_accum_steps micro-batches; returns the mean loss (detached).
 
-    The estimator runs this same function under FakeTensorMode, so what it measures is what runs.
+    The NaN/Inf check (cfg.on_nonfinite) runs on the device through `guard` when one is given
+    (a fused optimizer, see sdp.nonfinite), else on the host, raising NonFiniteStep. The
+    estimator runs this same function under FakeTensorMode, so what it measures is what runs.
     """
     model = strategy.model
     optimizer.zero_grad(set_to_none=True)
@@ -244,71 +302,15 @@ def train_step(
     with timer("sync"):
         strategy.after_backward()
         norm = strategy.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        if cfg.on_nonfinite != "off":
+        if guard is not None:
+            guard.check(strategy, optimizer, step_loss, norm)
+        elif cfg.on_nonfinite != "off":
             check_finite(strategy, step_loss, norm)
     with timer("optimizer"):
         optimizer.step()
     with timer("sync"):
         strategy.after_step()
     return step_loss
-
-
-class NonFiniteStep(RuntimeError):
-    """A step whose loss or gradients are NaN/Inf on some rank; raised on every rank, before
-    the update (the parameters and optimizer state are still those of the step before)."""
-
-    def __init__(self, diagnostic: dict):
-        self.diagnostic = diagnostic
-        ranks = diagnostic["ranks"]
-        what = [
-            f"rank {r['rank']}: loss {r['loss']}"
-            + (f", non-finite gradients in {', '.join(r['nonfinite_grads'])}" if r["nonfinite_grads"] else "")
-            for r in ranks
-            if r["nonfinite_loss"] or r["nonfinite_grads"]
-        ]
-        norm = diagnostic["grad_norm"]
-        super().__init__(f"non-finite loss or gradient ({'; '.join(what)}; gradient norm {norm})")
-
-
-class Diverged(RunFailed):
-    """The run stopped on a NaN/Inf step (trainer.on_nonfinite)."""
-
-
-def check_finite(strategy: Strategy, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
-    """Collective: raise NonFiniteStep on every rank when any rank's loss or gradients are not
-    finite. `norm` is the global gradient norm when clipping computed it (every rank has it),
-    else each rank checks its own gradients. One 2-element all-reduce and one host sync."""
-    if norm is not None:
-        grads_ok = torch.isfinite(norm.float())
-    else:
-        grads = [local(p.grad) for p in strategy.trainable() if p.grad is not None]
-        grads_ok = torch.nn.utils.get_total_norm(grads).isfinite() if grads else torch.tensor(True)
-    flags = torch.stack([~torch.isfinite(loss), ~grads_ok.to(loss.device)]).float()
-    if dist.all_reduce_(flags, op="max").sum().item() == 0:
-        return
-    # The slow path, once: which ranks, which tensors.
-    bad = [
-        name
-        for name, p in strategy.model.named_parameters()
-        if p.grad is not None and not torch.isfinite(local(p.grad)).all()
-    ]
-    mine = {
-        "rank": dist.rank(),
-        "loss": _json_float(loss),
-        "nonfinite_loss": not bool(torch.isfinite(loss)),
-        "nonfinite_grads": bad[:5] + ([f"... {len(bad) - 5} more"] if len(bad) > 5 else []),
-    }
-    diagnostic = {
-        "ranks": dist.gather_objects(mine),
-        "grad_norm": None if norm is None else _json_float(norm),
-    }
-    raise NonFiniteStep(diagnostic)
-
-
-def _json_float(t: torch.Tensor) -> float | str:
-    """A scalar for strict JSON: a finite float, or 'nan' / 'inf' / '-inf'."""
-    value = float(t)
-    return value if math.isfinite(value) else str(value)
 
 
 def count_flops(run_step) -> tuple[torch.Tensor, int]:
@@ -387,8 +389,9 @@ def train(
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
     strategy.model.train()
-    timer = PhaseTimer(device)
-    train_time, timed_steps, window_loss, window_steps = 0.0, 0, torch.zeros((), device=device), 0
+    timer, clock = PhaseTimer(device), StepClock(device)
+    # The loss summed over this log window's applied steps, and their number, on the device.
+    window_loss, window_applied = torch.zeros((), device=device), torch.zeros((), device=device)
     measured = measured or {}
     memory, measure_memory, last = measured.get("memory", {}), True, {}
     peak, flops = measured.get("peak"), measured.get("flops")
@@ -398,17 +401,36 @@ def train(
     evals: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    guard = None
+    if cfg.on_nonfinite != "off" and skips_on_device(optimizer):
+        guard = NonFiniteGuard(
+            cfg.on_nonfinite, max_skips=cfg.max_nonfinite_skips, device=device, first_step=start_step + 1
+        )
+    batches = to_device(data.train, device)
 
     def run_step() -> torch.Tensor:
-        return train_step(strategy, optimizer, data.train, cfg=cfg, micro=micro, device=device, timer=timer)
+        return train_step(strategy, optimizer, batches, cfg=cfg, micro=micro, device=device, timer=timer, guard=guard)
 
     skipped: list[int] = []
+
+    nonfinite = functools.partial(
+        handle_nonfinite,
+        policy=cfg.on_nonfinite,
+        max_skips=cfg.max_nonfinite_skips,
+        skipped=skipped,
+        world=world,
+        logger=logger,
+        run_dir=run_dir,
+    )
+
     try:
         bar.update(start_step)
         for step in range(start_step + 1, cfg.max_steps + 1):
-            t0 = time.perf_counter()
             profiling = step in (flop_step, peak_step)
-            saved = dict(timer.totals)
+            if profiling:  # excluded from the timings: the counters slow the step down
+                clock.stop()
+            clock.start()
+            timer.active = not profiling
             try:
                 if step == flop_step:
                     loss, flops = count_flops(run_step)
@@ -419,52 +441,49 @@ def train(
             except NonFiniteStep as bad:
                 # Every rank raised it, before the update: the model is still the last good one.
                 loss = None
-                nonfinite_step(
-                    bad,
-                    step=step,
-                    cfg=cfg,
-                    skipped=skipped,
-                    world=world,
-                    logger=logger,
-                    run_dir=run_dir,
-                    last_checkpoint=last_checkpoint,
-                )
+                nonfinite(bad, step=step, found_at=step, last_checkpoint=last_checkpoint)
                 optimizer.zero_grad(set_to_none=True)
-            if profiling:  # excluded from the timings: the counters slow the step down
-                timer.totals = saved
             if loss is not None:
-                window_loss += loss
-                window_steps += 1
+                applied = torch.ones((), device=device) if guard is None else 1 - guard.last_skip
+                window_loss += torch.where(applied > 0, loss, 0.0)
+                window_applied += applied
             lr = scheduler.get_last_lr()[0]  # the lr this step used
             scheduler.step()
             resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
             if resampled:
                 strategy.model.train()
             comm.end_step(timed=not profiling)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if not profiling:
-                train_time += time.perf_counter() - t0
-                timed_steps += 1
+            if profiling:
+                clock.stop()
+            else:
+                clock.count()
             if measure_memory:  # gradients and optimizer state exist from the first step on
                 memory = _elementwise_max(memory, strategy.memory(optimizer))
             measure_memory = resampled  # a new subnetwork: measure it after its first step
             bar.update(1)
+            log_step = step % cfg.log_every == 0 or step == cfg.max_steps
+            eval_step = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
+            # Stop signals are read at log steps (a collective read on the host).
             stopping = step < cfg.max_steps and (
-                step == cfg.stop_at_step or (stop_requested is not None and stop_requested())
+                step == cfg.stop_at_step or (log_step and stop_requested is not None and stop_requested())
             )
+            if not (log_step or eval_step or periodic or stopping):
+                continue  # no host sync in this step
+            clock.stop()  # the host waits for the device here
+            if guard is not None:
+                for at, bad in guard.report():
+                    nonfinite(bad, step=at, found_at=step, last_checkpoint=last_checkpoint)
 
-            if (step % cfg.log_every == 0 or step == cfg.max_steps or stopping) and window_steps:
-                mean_loss = dist.all_reduce_(window_loss.clone()).item() / (window_steps * world.world_size)
-                last = {"step": step, "train_loss": mean_loss, "lr": lr}
-                if timed_steps:
-                    last["tokens_or_samples_per_s"] = units_per_step * timed_steps / train_time
-                    last["step_time_s"] = train_time / timed_steps
-                logger.log(last)
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if log_step or stopping:
+                record = _log_window(step, lr, window_loss, window_applied, clock=clock, units_per_step=units_per_step)
+                if record is not None:  # None: every step of the window was skipped
+                    last = record
+                    logger.log(last)
+                    bar.set_postfix(loss=f"{last['train_loss']:.4f}")
                 window_loss.zero_()
-                window_steps = 0
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                window_applied.zero_()
+            if eval_step:
                 final = step == cfg.max_steps and cfg.save_model
                 evals = evaluate(
                     strategy,
@@ -478,7 +497,6 @@ def train(
                 logger.log({"step": step, **evals})
                 if world.is_main:
                     bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
-            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
             if checkpoint is not None and (periodic or stopping):
                 t_ckpt = time.perf_counter()
                 written = checkpoint(step, {"memory": memory, "peak": peak, "flops": flops})
@@ -494,18 +512,8 @@ def train(
                 break
     finally:  # the bar ends its line before anything else is printed
         bar.close()
-    step_time = train_time / timed_steps if timed_steps else None
-    phases = {k: v / timed_steps for k, v in timer.totals.items()} if timed_steps else {}
-    local = {
-        **memory,
-        "peak_bytes": peak["total"] if peak else None,
-        "peak_breakdown": peak,
-        **cuda_peaks(device),
-    }
-    gathered = dist.gather_objects((local, flops, comm.waits()))
-    per_rank = [mem for mem, _, _ in gathered]
-    flops_max = max((f for _, f, _ in gathered if f is not None), default=None)
-    out = {
+    speed = _speed(clock, timer, units_per_step=units_per_step, world_size=world.world_size)
+    return {
         "steps": stopped_at or cfg.max_steps,
         "stopped_at": stopped_at,
         "resumed_from": start_step or None,
@@ -516,54 +524,104 @@ def train(
         "checkpoints_written": checkpoints_written,
         "checkpoint_time_s": checkpoint_time,
         **evals,
-        # Per rank: this rank's share of the global batch over its step time.
+        **speed,
+        **_measurements(strategy, comm, memory=memory, peak=peak, flops=flops, device=device),
+        **_mfu(
+            strategy,
+            device=device,
+            precision=precision,
+            flops=flops,
+            step_time=speed["step_time_s"],
+            tokens_per_rank=units_per_step // world.world_size,
+            seq_len=units_per_sample,
+        ),
+    }
+
+
+def _speed(clock: StepClock, timer: PhaseTimer, *, units_per_step: int, world_size: int) -> dict:
+    """summary.json's throughput and step times (per rank: its share of the global batch)."""
+    step_time = clock.step_time()
+    return {
         "tokens_or_samples_per_s": units_per_step / step_time if step_time else None,
-        "tokens_or_samples_per_s_per_rank": units_per_step / world.world_size / step_time if step_time else None,
+        "tokens_or_samples_per_s_per_rank": units_per_step / world_size / step_time if step_time else None,
         "step_time_s": step_time,
-        "step_time_split_s": phases,
-        "flops_per_step_per_rank": flops_max,
+        "step_time_split_s": {k: v / clock.steps for k, v in timer.read().items()} if clock.steps else {},
+    }
+
+
+def _measurements(
+    strategy: Strategy, comm: CommCounter, *, memory: dict, peak: dict | None, flops: int | None, device: torch.device
+) -> dict:
+    """Collective: summary.json's memory, FLOP and communication entries, from every rank's."""
+    local = {
+        **memory,
+        "peak_bytes": peak["total"] if peak else None,
+        "peak_breakdown": peak,
+        **cuda_peaks(device),
+    }
+    gathered = dist.gather_objects((local, flops, comm.waits()))
+    per_rank = [mem for mem, _, _ in gathered]
+    return {
+        "flops_per_step_per_rank": max((f for _, f, _ in gathered if f is not None), default=None),
         "memory": _busiest(per_rank),
         "memory_per_rank": per_rank,
         **_comm_summary(comm, strategy, [w for _, _, w in gathered], device=device),
     }
-    top = peak_flops(device, precision)
-    if top and flops and step_time:
-        out["mfu"] = flops / step_time / top
+
+
+def _mfu(
+    strategy: Strategy,
+    *,
+    device: torch.device,
+    precision: str,
+    flops: int | None,
+    step_time: float | None,
+    tokens_per_rank: int,
+    seq_len: int,
+) -> dict:
+    """summary.json's MFU entries: the FLOPs a step of this rank is credited with (a
+    transformer's model FLOPs by torchtitan's formula for what this rank runs, see
+    metrics.flops.model_flops_per_token; other models' FLOPs as counted in the profiled step)
+    over its step time and the peak-table entry of the device (`mfu_peak`; null on CPU or an
+    unlisted device, and then `mfu` is null too)."""
+    peak = peak_entry(device, precision)
+    out = {"mfu": None, "mfu_peak": peak, "mfu_flops": None, "mfu_flops_per_step": None}
+    heads, head_dim = attention_heads(strategy.model)
+    if heads:
+        trainable = strategy.trainable()
+        embeddings = [m.weight for m in strategy.model.modules() if isinstance(m, nn.Embedding)]
+        embedding = sum(w.numel() for w in embeddings)
+        trained = sum(p.numel() for p in trainable) - sum(
+            w.numel() for w in embeddings if any(w is p for p in trainable)
+        )
+        per_token = model_flops_per_token(
+            forward_params=strategy.forward_params() - embedding,
+            trained_params=trained,
+            heads=heads,
+            head_dim=head_dim,
+            seq_len=seq_len,
+        )
+        out["mfu_flops"], out["mfu_flops_per_step"] = "model (torchtitan)", per_token * tokens_per_rank
+    elif flops:
+        out["mfu_flops"], out["mfu_flops_per_step"] = "counted", flops
+    if peak and step_time and out["mfu_flops_per_step"]:
+        out["mfu"] = out["mfu_flops_per_step"] / step_time / peak["flops_per_s"]
     return out
 
 
-def nonfinite_step(
-    bad: NonFiniteStep,
-    *,
-    step: int,
-    cfg: TrainerConfig,
-    skipped: list[int],
-    world: dist.World,
-    logger: RunLogger,
-    run_dir: Path | None,
-    last_checkpoint: int | None,
-) -> None:
-    """A step with a NaN/Inf loss or gradient: record it and skip it (trainer.on_nonfinite=skip,
-    up to max_nonfinite_skips), or write nonfinite_step_N.json and raise (stop)."""
-    record = {"step": step, **bad.diagnostic}
-    if cfg.on_nonfinite == "skip" and len(skipped) < cfg.max_nonfinite_skips:
-        skipped.append(step)
-        logger.log({"step": step, "nonfinite_skipped": 1})
-        dist.warn0(world, f"step {step} skipped ({len(skipped)} of at most {cfg.max_nonfinite_skips}): {bad}")
-        return
-    if world.is_main and run_dir is not None:
-        write_json_atomic(run_dir / f"nonfinite_step_{step}.json", {**record, "skipped_before": skipped})
-    why = f"after {len(skipped)} skipped steps, " if cfg.on_nonfinite == "skip" else ""
-    if last_checkpoint:
-        then = (
-            f"the last checkpoint, step {last_checkpoint}, is kept: resume it with trainer.on_nonfinite=skip "
-            "to step over this one, or start again with a lower optim.lr"
-        )
-    else:
-        then = "no checkpoint was written yet: start again with a lower optim.lr or trainer.on_nonfinite=skip"
-    raise Diverged(
-        f"step {step}: {why}{bad}; the update was not applied (diagnostic: nonfinite_step_{step}.json); {then}"
-    ) from None
+def _log_window(
+    step: int, lr: float, loss_sum: torch.Tensor, applied: torch.Tensor, *, clock: StepClock, units_per_step: int
+) -> dict | None:
+    """Collective: the log record of a window, its mean train loss over every rank's applied
+    steps and the throughput so far; None when every step of the window was skipped."""
+    total, count = dist.all_reduce_(torch.stack([loss_sum, applied])).tolist()
+    if count == 0:
+        return None
+    record = {"step": step, "train_loss": total / count, "lr": lr}
+    if clock.steps:
+        record["tokens_or_samples_per_s"] = units_per_step * clock.steps / clock.seconds
+        record["step_time_s"] = clock.seconds / clock.steps
+    return record
 
 
 def _comm_summary(comm: CommCounter, strategy: Strategy, waits: list, *, device: torch.device) -> dict:

@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sdp.models import LlamaConfig
 from sdp.models.loss import chunked_cross_entropy
+
+# Causal attention over whole sequences (the data packs them, no padding): transformers' own SDPA
+# attention under a name with no mask function, so that no attention mask is built and SDPA runs
+# with is_causal. Building one (`sdpa`) reads the position ids back to the host in every forward
+# (masking_utils' check for packed sequences): a device synchronisation per step on CUDA.
+CAUSAL_SDPA = "sdpa_causal"
+AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
 
 
 class LlamaLM(transformers.LlamaForCausalLM):
@@ -46,7 +55,7 @@ def build_llama(cfg: LlamaConfig) -> LlamaLM:
         rope_theta=cfg.rope_theta,
         initializer_range=cfg.init_std,
         use_cache=False,
-        attn_implementation="sdpa",
+        attn_implementation=CAUSAL_SDPA,
     )
     chunk = cfg.loss_chunk_tokens if cfg.loss == "chunked" else None
     return LlamaLM(hf_cfg, loss_chunk_tokens=chunk)

@@ -156,6 +156,10 @@ class Strategy:
         """Process groups (with NCCL: communicators) this rank is a member of, the world included."""
         return 1
 
+    def forward_params(self) -> int:
+        """Parameters this rank's forward computes with (all of them, but under forward masking)."""
+        return self.full_params
+
     def resample(self, step: int, optimizer: torch.optim.Optimizer) -> bool:
         """Called after optimizer step `step` (not the last): a strategy that changes which
         tensors this rank trains rebuilds `model` and re-points `optimizer`, and returns True."""

@@ -383,6 +383,11 @@ class SDPStrategy(Strategy):
     def comm_groups(self) -> int:
         return 1 + self.groups.joined(self.rank)
 
+    def forward_params(self) -> int:
+        if self.cfg.name == "backward":  # the full model's forward, on every rank
+            return self.full_params
+        return sum(p.numel() for p in self.model.parameters())  # the smaller subnetwork (DTensors: unsharded)
+
     @contextlib.contextmanager
     def eval_model(self):
         self.settle()
