@@ -14,9 +14,19 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-fast lint clean memory-table bench tables soak
+.PHONY: setup cxx run test test-fast lint clean memory-table bench tables soak
 
-setup: $(STAMP) $(FMNIST)
+setup: $(STAMP) $(FMNIST) cxx
+
+# torch.compile's inductor writes C++ on CPU (parallelism.compile=true, and the tests): a compiler.
+cxx:
+	@if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; \
+		else \
+			echo "No C++ compiler (inductor needs one): run 'sudo apt-get install g++'" >&2; exit 1; \
+		fi; \
+	fi
 
 # The venv is ~6 GB: built once, rebuilt only when pyproject.toml changes.
 $(STAMP): pyproject.toml

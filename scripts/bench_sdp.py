@@ -2,7 +2,7 @@
 and what overlapping SDP's communication with the compute gains.
 
     python scripts/bench_sdp.py [--nproc 4] [--steps 30] [--coverage 0.5] [--cluster cpu_2core]
-                                [--out results/bench/sdp_cpu_k4.md] [override ...]
+                                [--no-compile] [--out results/bench/sdp_cpu_k4.md] [override ...]
 
 For a tiny LLaMA and a tiny ResNet it launches DDP and the four SDP variants
 (backward/forward masking x neuron/block), each SDP variant twice: serial
@@ -19,7 +19,10 @@ data and steps. It prints:
   targets: overlapped exposed <= 0.25 x serial, overlapped step <= serial step,
   bytes unchanged;
 - the step-time model (`python -m sdp.estimate ... cluster=`) with a cluster
-  describing this machine, against the measured step-time ratios to DDP.
+  describing this machine, against the measured step-time ratios to DDP;
+- DDP and each SDP variant (overlapped) again with every block compiled
+  (`parallelism.compile=true`; `--no-compile` leaves them out): the compiled
+  over eager step time (the first, compiling step is not timed).
 
 The LLaMA's vocabulary is the synthetic data's 256 tokens, so that its shared
 embeddings are ~10% of the model as in the paper's LLaMAs (4096 would make them
@@ -132,6 +135,31 @@ def overlap_table(results: list[Result]) -> tuple[str, list[str]]:
     return "\n".join(lines), checks
 
 
+def compile_variants(coverage: float) -> list[tuple[str, list[str]]]:
+    """DDP and the four SDP variants (overlapped) with every block compiled."""
+    out = [("DDP compiled", ["masking=none", "parallelism.compile=true"])]
+    for gran in ("neuron", "block"):
+        for mode in ("backward", "forward"):
+            masking = [f"masking={mode}", f"masking.granularity={gran}", f"masking.coverage={coverage}"]
+            out.append((f"{gran[0].upper()}-SDP {mode} compiled", [*masking, "parallelism.compile=true"]))
+    return out
+
+
+def compile_table(eager: list[Result], compiled: list[Result]) -> str:
+    """Compiled against eager step time, per variant (eager: DDP's first run, SDP overlapped)."""
+    by_label = {r.label: r.summary for r in eager}
+    lines = ["| variant | step s eager | compiled | compiled / eager |", "|---|---|---|---|"]
+    for r in compiled:
+        label = r.label.removesuffix(" compiled")
+        base = by_label.get("DDP" if label == "DDP" else f"{label} overlapped")
+        if base is None or r.summary is None or not r.summary.get("step_time_s"):
+            lines.append(f"| {label} | failed | | |")
+            continue
+        ours = r.summary["step_time_s"]
+        lines.append(f"| {label} | {base['step_time_s']:.3f} | {ours:.3f} | {ours / base['step_time_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def _ratio(a: float | None, b: float | None) -> float:
     return float("nan") if a is None or not b else a / b
 
@@ -171,6 +199,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=[m for m, _, _ in MODELS])
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="parallelism.bucket_cap_mb of every run")
     parser.add_argument("--out", type=Path, help="also write the report here (e.g. results/bench/sdp_cpu_k4.md)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled runs")
     args, overrides = parser.parse_known_args()
     root = Path("outputs") / "bench" / time.strftime("%Y%m%d-%H%M%S")
     runs = variants(args.coverage)
@@ -183,6 +212,11 @@ def main() -> None:
         results = run_variants(base + run, runs, root=root / model, nproc=args.nproc)
         overlap, overlap_checks = overlap_table(results)
         modelled, model_checks = model_check(results, base, runs, nproc=args.nproc, cluster_name=args.cluster)
+        compiled = []
+        if not args.no_compile:  # the compiled model's first step (its compilation) is not timed
+            compiled = run_variants(
+                base + run, compile_variants(args.coverage), root=root / model / "compiled", nproc=args.nproc
+            )
         report += [
             f"## {model} on {dataset}, K={args.nproc}, C={args.coverage}, {args.steps} steps",
             "",
@@ -203,6 +237,13 @@ def main() -> None:
             *model_checks,
             "",
         ]
+        if compiled:
+            report += [
+                "Every block compiled (`parallelism.compile=true`, inductor's C++ on CPU) against eager:",
+                "",
+                compile_table(results, compiled),
+                "",
+            ]
     text = "\n".join(report)
     (root / "bench.md").write_text(text)
     if args.out:

@@ -24,6 +24,7 @@ from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
@@ -52,22 +53,28 @@ def make(
     overlap: bool = True,
     autocast: torch.dtype | None = None,
     loss_chunk: int | None = None,
+    compile_backend: str | None = None,
 ):
     """A tiny model under DDP (`masking=None`), FSDP or SDP; with `loss_chunk`, a LLaMA computes
     its loss itself, that many tokens at a time (`Strategy.loss_in_model`)."""
     cfg = tiny_model_cfg(family)
     if loss_chunk is not None:
         cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=loss_chunk)
-    strategy = _make(family, masking, comm, cfg, ac=ac, fsdp=fsdp, overlap=overlap, autocast=autocast)
+    strategy = _make(
+        family, masking, comm, cfg, ac=ac, fsdp=fsdp, overlap=overlap, autocast=autocast, backend=compile_backend
+    )
     strategy.loss_in_model = loss_chunk is not None
     return strategy
 
 
-def _make(family: str, masking, comm: CommCounter, cfg, *, ac: str, fsdp: bool, overlap: bool, autocast):
+def _make(family: str, masking, comm: CommCounter, cfg, *, ac: str, fsdp: bool, overlap: bool, autocast, backend):
     torch.manual_seed(0)
 
-    def checkpointing(model):
+    def checkpointing(model):  # and compilation, as the entrypoint's build_strategy does
         apply_activation_checkpointing(model, family=family, mode=ac)
+        if backend is not None:
+            fullgraph = not needs_graph_breaks(model, family=family)
+            apply_compile(model, family=family, fullgraph=fullgraph, backend=backend)
 
     if masking is None:
         model = build_model(cfg)
@@ -90,6 +97,7 @@ def _make(family: str, masking, comm: CommCounter, cfg, *, ac: str, fsdp: bool, 
         prepare=checkpointing,
         overlap=overlap,
         autocast_dtype=autocast,
+        compiled=backend is not None,
     )
 
 
@@ -612,12 +620,73 @@ def overlap_checks() -> dict:
     return out
 
 
+def compile_check(family: str, masking: MaskingConfig | None, *, backend: str, **extra) -> dict:
+    """One step compiled (every block's forward, `backend`) against eager from the same start:
+    the loss and every gradient this rank trains after the gradient sync (relative to each
+    tensor's largest entry), then a second step's loss (the first update and, under backward
+    masking, the weight refresh into the compiled blocks)."""
+    runs = []
+    for compiled in (None, backend):
+        strategy = make(family, masking, CommCounter(), compile_backend=compiled, **extra)
+        optimizer = build_optimizer(strategy.trainable(), OptimConfig(name="sgd", lr=1e-2, momentum=0.9))
+        strategy.model.train()
+        losses, grads = [], None
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            with strategy.autocast():
+                loss, _ = forward_loss(strategy.model, batch(family, dist.get_rank(), step))
+            loss.backward()
+            strategy.after_backward()
+            grads = grads or [local(p.grad).clone() for p in strategy.trainable()]
+            optimizer.step()
+            strategy.after_step()
+            losses.append(loss.detach())
+        runs.append((losses, grads))
+    (eager_losses, eager), (compiled_losses, compiled) = runs
+    return {
+        "loss_rel": max(
+            gathered(max(((c - e).abs() / e.abs()).item() for c, e in zip(compiled_losses, eager_losses, strict=True)))
+        ),
+        "grad_rel": max(
+            gathered(
+                max(
+                    ((c - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+                    for c, e in zip(compiled, eager, strict=True)
+                )
+            )
+        ),
+        "tensors": min(gathered(len(eager))),
+    }
+
+
+COMPILE_CASES = {
+    "ddp": None,
+    **{
+        f"{m}-{g}": MaskingConfig(name=m, granularity=g, coverage=0.5)
+        for m in ("backward", "forward")
+        for g in ("neuron", "block")
+    },
+}
+
+
+def compile_checks() -> dict:
+    """Every masking mode x granularity of the tiny LLaMA and ResNet, compiled with dynamo and
+    AOTAutograd (`aot_eager`: the graphs inductor would be given, run by torch's own kernels,
+    so the same bits are expected; tests/test_compile.py runs inductor's code)."""
+    return {
+        f"{family}-{name}": compile_check(family, masking, backend="aot_eager")
+        for family in ("llama", "resnet")
+        for name, masking in COMPILE_CASES.items()
+    }
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     OUT = path
-    result = {"equivalence": equivalence, "holders": holders, "stacking": stacking, "sharded": sharded}[scenario]()
+    scenarios = {"equivalence": equivalence, "holders": holders, "stacking": stacking, "sharded": sharded}
+    result = {**scenarios, "compile": compile_checks}[scenario]()
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

@@ -154,3 +154,18 @@ def test_fused_optimizer_equals_the_default_one_within_float_rounding(group, nam
         runs.append(_params(strategy))
     for fused, default in zip(*runs, strict=True):
         torch.testing.assert_close(fused, default, rtol=1e-6, atol=1e-7)
+
+
+def test_the_step_clock_leaves_untimed_steps_out():
+    import time
+
+    from sdp.trainer import StepClock
+
+    clock = StepClock(CPU)
+    for timed, seconds in ((False, 0.2), (True, 0.01), (True, 0.01), (False, 0.2), (True, 0.01)):
+        clock.begin(timed=timed)
+        time.sleep(seconds)
+        clock.end(timed=timed)
+    clock.stop()  # a log step
+    assert clock.steps == 3
+    assert 0.03 <= clock.seconds < 0.15  # the timed steps' 30 ms (and the loop's own), not the 400 ms

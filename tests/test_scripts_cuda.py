@@ -1,6 +1,7 @@
 """The GPU check script, rehearsed on the CPU: its overhead part runs the real SDP step under a
 fake process group (what the H200 run measures at scale)."""
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -24,3 +25,32 @@ def test_the_overhead_part_times_serial_and_overlapped_steps_on_the_cpu():
         for o in (False, True)
     ]
     assert all(t > 0 for t in times)
+
+
+def test_the_gpu_speed_check_rehearses_on_the_cpu(tmp_path):
+    # --smoke: the tiny LLaMA on CPU, DDP eager and compiled (inductor), 2 steps each, as the H200
+    # run would measure them (a fake process group, the fused optimizer, the device-side guard).
+    path = Path(__file__).parents[1] / "scripts" / "gpu_speed_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_speed_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.run(
+        argparse.Namespace(
+            smoke=True,
+            models=[],
+            variants=["DDP", "N-SDP forward"],
+            world_size=2,
+            steps=2,
+            budget_min=5.0,
+            device="cpu",
+            out=tmp_path,
+            no_estimate=True,
+        )
+    )
+    assert [(r["variant"], r["compile"], r["loss"]) for r in rows] == [
+        ("DDP", False, "chunked"),
+        ("DDP", True, "chunked"),
+        ("N-SDP forward", False, "chunked"),
+    ]
+    assert all(r["measured"]["tokens_per_s"] > 0 and r["measured"]["mfu"] is None for r in rows)
+    assert "| llama_tiny | DDP | yes | chunked |" in (tmp_path / "gpu_speed_cpu.md").read_text()

@@ -214,6 +214,9 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     device = torch.device("cpu")
     # No NaN check under fake tensors (it reads a value); it costs a scalar, nothing to measure.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, on_nonfinite="off"))
+    # Eager: compiled blocks fuse elementwise work and keep fewer activations, so the estimate of
+    # a compiled run is an upper bound (dynamo does not trace under this fake mode).
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, compile=False))
     micro = micro_batch_size(cfg.trainer, world_size=world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     comm = CommCounter()

@@ -37,6 +37,7 @@ from sdp.models import build_model, computes_loss
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.parallel.fsdp import FSDPStrategy
 from sdp.parallel.sharded import ShardedSDPStrategy
 from sdp.redact import redact, redact_text, redact_yaml
@@ -167,7 +168,13 @@ def build_strategy(
     """
     strategy = _wrapped(cfg, world=world, device=device, comm=comm, build=build, mask_epoch=mask_epoch)
     strategy.loss_in_model = computes_loss(cfg.model)
+    strategy.compiled = compiled_on(cfg.parallelism, device)
     return strategy
+
+
+def compiled_on(par, device: torch.device) -> bool:
+    """parallelism.compile, its default resolved: on CUDA, not on CPU."""
+    return par.compile if par.compile is not None else device.type == "cuda"
 
 
 def _wrapped(
@@ -182,8 +189,14 @@ def _wrapped(
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     par = cfg.parallelism
 
+    compiled = compiled_on(par, device)
+
     def checkpointing(model: torch.nn.Module) -> None:
+        """Activation checkpointing, then compilation, per block (before FSDP wraps them)."""
         apply_activation_checkpointing(model, family=cfg.model.family, mode=par.activation_checkpointing)
+        if compiled:
+            fullgraph = not needs_graph_breaks(model, family=cfg.model.family)
+            apply_compile(model, family=cfg.model.family, fullgraph=fullgraph)
 
     if not is_sdp(cfg.masking.name):
         model = move_to(build(cfg.model), device)
@@ -209,6 +222,7 @@ def _wrapped(
         prepare=checkpointing,
         epoch=mask_epoch,
         overlap=par.overlap_comm,
+        compiled=compiled,
     )
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)

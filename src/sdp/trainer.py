@@ -245,14 +245,21 @@ class StepClock:
         self._since: float | None = None
         self._pending = 0
 
-    def start(self) -> None:
-        """Open a window if none is open (at the start of a timed step)."""
-        if self._since is None:
+    def begin(self, *, timed: bool) -> None:
+        """Before a step: a timed one runs in the open window (one is opened if none is); an
+        untimed one outside any (the window is closed, after waiting for the device)."""
+        if not timed:
+            self.stop()
+        elif self._since is None:
             self._since = time.perf_counter()
 
-    def count(self) -> None:
-        """A timed step ran in the open window."""
-        self._pending += 1
+    def end(self, *, timed: bool) -> None:
+        """After a step: a timed one is counted in its window; after an untimed one the device
+        is waited for, so that none of its work runs into the next window."""
+        if timed:
+            self._pending += 1
+        else:
+            self.stop()
 
     def stop(self) -> None:
         """Wait for the device, and close the open window."""
@@ -317,8 +324,9 @@ def count_flops(run_step) -> tuple[torch.Tensor, int]:
     """Run `run_step()` under the FLOP counter; returns its loss and the FLOPs it ran.
 
     Not in the same step as `measure_peak`: the counter's module tracking keeps the
-    tensors a checkpointed block recomputes alive, which would inflate the peak."""
-    with flop_counter() as flops:
+    tensors a checkpointed block recomputes alive, which would inflate the peak. Compiled
+    blocks run eagerly in it (dynamo cannot trace under a dispatch mode)."""
+    with torch.compiler.set_stance("force_eager"), flop_counter() as flops:
         loss = run_step()
     return loss, int(flops.get_total_flops())
 
@@ -327,9 +335,11 @@ def measure_peak(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step)
     """Run `run_step()` under the live-tensor tracker; returns its loss and the peak by kind.
 
     Call it after at least one step, so the optimizer state and the last
-    gradients exist and are registered as live when the tracker starts.
+    gradients exist and are registered as live when the tracker starts. Compiled blocks run
+    eagerly in it (dynamo cannot trace under a dispatch mode): the peak of the eager step,
+    an upper bound of the compiled one's (whose CUDA peak is `cuda_max_allocated_bytes`).
     """
-    with LivePeak(strategy.model, optimizer) as peak:
+    with torch.compiler.set_stance("force_eager"), LivePeak(strategy.model, optimizer) as peak:
         loss = run_step()
     return loss, peak.breakdown()
 
@@ -426,11 +436,11 @@ def train(
     try:
         bar.update(start_step)
         for step in range(start_step + 1, cfg.max_steps + 1):
-            profiling = step in (flop_step, peak_step)
-            if profiling:  # excluded from the timings: the counters slow the step down
-                clock.stop()
-            clock.start()
-            timer.active = not profiling
+            # Left out of the timings: the profiled steps (the counters slow them down), and a
+            # compiled model's first step (its compilation).
+            untimed = step in (flop_step, peak_step) or (strategy.compiled and step == start_step + 1)
+            clock.begin(timed=not untimed)
+            timer.active = not untimed
             try:
                 if step == flop_step:
                     loss, flops = count_flops(run_step)
@@ -452,11 +462,8 @@ def train(
             resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
             if resampled:
                 strategy.model.train()
-            comm.end_step(timed=not profiling)
-            if profiling:
-                clock.stop()
-            else:
-                clock.count()
+            comm.end_step(timed=not untimed)
+            clock.end(timed=not untimed)
             if measure_memory:  # gradients and optimizer state exist from the first step on
                 memory = _elementwise_max(memory, strategy.memory(optimizer))
             measure_memory = resampled  # a new subnetwork: measure it after its first step

@@ -42,6 +42,8 @@ class ParallelConfig:
     # Refuse a run whose busiest rank would join more process groups than this (world included).
     max_comm_groups: int = 16
     activation_checkpointing: str = "none"  # none | full | selective, per block
+    # torch.compile every block's forward (sdp.parallel.compile); None: on CUDA, not on CPU.
+    compile: bool | None = None
     # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
     mixed_precision: str = "fp32"
     reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
@@ -122,6 +124,8 @@ class Strategy:
     # The model's forward computes the loss itself from `targets` (the LLaMA's; see
     # sdp.models.llama.LlamaLM); set by whoever builds the strategy from the model config.
     loss_in_model: bool = False
+    # Every block's forward is compiled (parallelism.compile); set by whoever builds the strategy.
+    compiled: bool = False
 
     def autocast(self):
         """Context for the forward pass: bf16 autocast with fp32 weights, or nothing."""

@@ -86,6 +86,12 @@ class _HeldConv2d(torch.autograd.Function):
         return (grad_x, None, grad_b, None, None, None, *pieces)
 
 
+def _eager(forward):
+    """`forward`, run eagerly inside a compiled block (a graph break): its held ranges are Python
+    constants that dynamo would specialise on, one graph per layer and per mask epoch."""
+    return torch._dynamo.disable(forward, recursive=True)
+
+
 def install_held(module: nn.Module, attr: str, full: torch.Tensor, dim: int, ranges: list) -> list[nn.Parameter]:
     """Make `module.<attr>` the full tensor with trainable views on `ranges`; returns the views.
 
@@ -104,7 +110,7 @@ def install_held(module: nn.Module, attr: str, full: torch.Tensor, dim: int, ran
         def linear_forward(x):
             return _HeldLinear.apply(x, full, module.bias, dim, ranges, *plist)
 
-        module.forward = linear_forward
+        module.forward = _eager(linear_forward)
     elif (
         attr == "weight"
         and type(module) is nn.Conv2d
@@ -117,7 +123,7 @@ def install_held(module: nn.Module, attr: str, full: torch.Tensor, dim: int, ran
         def conv_forward(x):
             return _HeldConv2d.apply(x, full, module.bias, conv, dim, ranges, *plist)
 
-        module.forward = conv_forward
+        module.forward = _eager(conv_forward)
     else:
 
         def pre_hook(mod, args):

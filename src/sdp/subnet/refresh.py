@@ -22,7 +22,7 @@ backward-masking step peaks at the end of its forward, when they are gone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +100,11 @@ class WeightRefresh:
         comm: CommCounter,
         bucket_cap_mb: float,
         device: torch.device,
+        wait_at: Callable[[str], str] | None = None,
     ):
+        """`wait_at(path)`: the module whose forward pre-hook waits for the values of the module
+        at `path` (default: that module; a compiled block's path, so that the wait runs outside
+        the block's compiled forward, which cannot wait on communication)."""
         self.rank, self.comm, self.device = rank, comm, device
         cap, first = int(bucket_cap_mb * 2**20) // 4, FIRST_BUCKET_BYTES // 4  # fp32 elements
         self.buckets, owners = plan_refresh(transfers, position=position, cap_elems=cap, first_elems=first)
@@ -111,9 +115,12 @@ class WeightRefresh:
                 self._of_site.setdefault(site, []).append(i)
         # Prepended: the values must be in place before any other pre-hook makes views of them
         # (backward masking's held-range views of biases and norm scales).
+        sites_at: dict[str, list[int]] = {}
+        for path, site in owners.items():
+            sites_at.setdefault(wait_at(path) if wait_at else path, []).append(site)
         self._hooks = [
-            model.get_submodule(path).register_forward_pre_hook(self._hook(site), prepend=True)
-            for path, site in owners.items()
+            model.get_submodule(path).register_forward_pre_hook(self._hook(sorted(set(sites))), prepend=True)
+            for path, sites in sites_at.items()
         ]
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
@@ -127,11 +134,11 @@ class WeightRefresh:
             h.remove()
         self._hooks = []
 
-    def _hook(self, site: int):
+    def _hook(self, sites: list[int]):
         def pre_forward(module, args) -> None:
             if not self._open:
                 return  # the common case: every forward but the first after a step, evaluation
-            pending = [i for i in self._of_site[site] if self._works[i] is not None]
+            pending = sorted({i for site in sites for i in self._of_site[site] if self._works[i] is not None})
             if pending:
                 with self.comm.waiting():
                     for i in pending:

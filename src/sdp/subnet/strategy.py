@@ -159,13 +159,15 @@ class SDPStrategy(Strategy):
         autocast_dtype: torch.dtype | None = None,
         epoch: int = 0,
         overlap: bool = True,
+        compiled: bool = False,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
         `make_plain` builds a full plain model on `device`, which assembly overwrites;
         `prepare` is applied to every subnetwork this rank trains (activation checkpointing);
         `epoch` is the mask epoch to start in (a resumed run's); `overlap`
         (parallelism.overlap_comm) overlaps gradient averaging with the backward and
-        backward masking's weight refresh with the next forward."""
+        backward masking's weight refresh with the next forward; `compiled`: `prepare` compiles
+        every block's forward (parallelism.compile), so the refresh waits before each block."""
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain, self.prepare = bucket_cap_mb, make_plain, prepare
         self.autocast_dtype = autocast_dtype
@@ -184,6 +186,7 @@ class SDPStrategy(Strategy):
         paths = [path for path, _ in blocks(model, family=family)]
         self.block_of = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), -1) for n in self.shapes}
         self.overlap, self.sync, self.refresh, self._trace = overlap, None, None, None
+        self.block_paths, self.compiled = paths, compiled
         comm.track_waits()
         self.groups = HolderGroups([], world_size=torch.distributed.get_world_size())
         self._register_groups([tuple(range(world_size))])
@@ -229,8 +232,13 @@ class SDPStrategy(Strategy):
                 comm=self.comm,
                 bucket_cap_mb=self.bucket_cap_mb,
                 device=self.device,
+                wait_at=self._enclosing_block if self.compiled else None,
             )
         self.trace_collectives(self._trace)
+
+    def _enclosing_block(self, path: str) -> str:
+        """The block `path` is in (itself when in none)."""
+        return next((b for b in self.block_paths if path == b or path.startswith(b + ".")), path)
 
     def trace_collectives(self, trace: list | None) -> None:
         """Record every gradient all-reduce and weight-refresh broadcast this rank issues, in
