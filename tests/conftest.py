@@ -17,6 +17,16 @@ TINY_MODELS = {
     "resnet": ("resnet_tiny", "synthetic_image"),
     "swin": ("swin_tiny", "synthetic_image"),
 }
+# One rank of a tiny LLaMA job played in this process (tests/test_mfu.py, test_host_sync.py):
+# its overrides, and DDP's and the four SDP variants' at C = 0.5.
+ONE_RANK_LLAMA = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
+LLAMA_VARIANTS = {
+    "DDP": ["masking=none"],
+    "N-SDP backward": ["masking=backward", "masking.coverage=0.5"],
+    "N-SDP forward": ["masking=forward", "masking.coverage=0.5"],
+    "B-SDP backward": ["masking=backward", "masking.granularity=block", "masking.coverage=0.5"],
+    "B-SDP forward": ["masking=forward", "masking.granularity=block", "masking.coverage=0.5"],
+}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
 os.environ.update(OFFLINE_ENV)
 

@@ -281,7 +281,7 @@ def sharded() -> dict:
         for gran, masking in SHARDED_MASKINGS.items():
 
             def sharded_sdp(
-                overlap: bool, cfg=cfg, family=family, masking=masking, chunk: int | None = None
+                overlap: bool, cfg=cfg, family=family, masking=masking, chunk: int | None = None, backend=None
             ) -> ShardedSDPStrategy:
                 if chunk is not None:
                     cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=chunk)
@@ -298,6 +298,8 @@ def sharded() -> dict:
                     bucket_cap_mb=1,
                     make_plain=lambda: build_model(cfg),
                     overlap=overlap,
+                    prepare=None if backend is None else lambda m: apply_compile(m, family=family, backend=backend),
+                    compiled=backend is not None,
                 )
                 strategy.loss_in_model = chunk is not None
                 return strategy
@@ -318,6 +320,13 @@ def sharded() -> dict:
                 out[family][gran]["overlap_vs_serial"] = max(gathered(max_diff(full, serial.full_parameters())))
             if family == "llama":  # the LM head and loss chunked against full
                 out[family][gran]["loss"] = loss_check(lambda chunk, build=sharded_sdp: build(True, chunk=chunk))
+            if family == "llama" and gran == "neuron":  # compiled against eager
+                out[family][gran]["compile"] = compile_check(
+                    family,
+                    None,
+                    backend="aot_eager",
+                    build=lambda backend, build=sharded_sdp: build(True, backend=backend),
+                )
     return out
 
 
@@ -532,6 +541,7 @@ def loss_checks() -> dict:
         )
         for name, masking in LOSS_MASKINGS.items()
         for dtype, autocast in (("fp32", None), ("bf16", torch.bfloat16))
+        if dtype == "fp32" or name in ("ddp", "backward-neuron", "forward-block")  # bf16: one of each path
     }
 
 
@@ -620,14 +630,18 @@ def overlap_checks() -> dict:
     return out
 
 
-def compile_check(family: str, masking: MaskingConfig | None, *, backend: str, **extra) -> dict:
+def compile_check(family: str, masking: MaskingConfig | None, *, backend: str, build=None, **extra) -> dict:
     """One step compiled (every block's forward, `backend`) against eager from the same start:
     the loss and every gradient this rank trains after the gradient sync (relative to each
     tensor's largest entry), then a second step's loss (the first update and, under backward
-    masking, the weight refresh into the compiled blocks)."""
+    masking, the weight refresh into the compiled blocks). `build(backend)`: the strategy, when
+    not `make`'s (SDP x FSDP)."""
     runs = []
     for compiled in (None, backend):
-        strategy = make(family, masking, CommCounter(), compile_backend=compiled, **extra)
+        if build is not None:
+            strategy = build(compiled)
+        else:
+            strategy = make(family, masking, CommCounter(), compile_backend=compiled, **extra)
         optimizer = build_optimizer(strategy.trainable(), OptimConfig(name="sgd", lr=1e-2, momentum=0.9))
         strategy.model.train()
         losses, grads = [], None
@@ -673,11 +687,18 @@ def compile_checks() -> dict:
     """Every masking mode x granularity of the tiny LLaMA and ResNet, compiled with dynamo and
     AOTAutograd (`aot_eager`: the graphs inductor would be given, run by torch's own kernels,
     so the same bits are expected; tests/test_compile.py runs inductor's code)."""
-    return {
+    out = {
         f"{family}-{name}": compile_check(family, masking, backend="aot_eager")
         for family in ("llama", "resnet")
         for name, masking in COMPILE_CASES.items()
     }
+    out["llama-fsdp"] = compile_check("llama", None, backend="aot_eager", fsdp=True)
+    out["llama-fsdp-bf16"] = compile_check("llama", None, backend="aot_eager", fsdp=True, autocast=torch.bfloat16)
+    for name in ("ddp", "forward-neuron", "backward-neuron"):
+        out[f"llama-{name}-bf16"] = compile_check(
+            "llama", COMPILE_CASES[name], backend="aot_eager", autocast=torch.bfloat16
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -75,6 +75,17 @@ def test_compiled_training_equals_eager_under_every_masking_mode(compiled, case)
         assert res["loss_rel"] == 0.0 and res["grad_rel"] == 0.0
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["fsdp", "fsdp-bf16", "ddp-bf16", "forward-neuron-bf16", "backward-neuron-bf16"])
+def test_compiled_training_equals_eager_under_fsdp_and_bf16(compiled, case):
+    # The tiny LLaMA, as above: FSDP2 over the 2 ranks (its bf16 policy: gathered weights in
+    # bf16), and bf16 autocast under DDP and SDP (C = 0.5).
+    res = compiled[f"llama-{case}"]
+    assert res["tensors"] > 1
+    tolerance = 1e-5 if case == "fsdp" else 2**-7  # bf16: its own resolution
+    assert res["loss_rel"] <= tolerance and res["grad_rel"] <= tolerance
+
+
 def test_graph_breaks_only_under_backward_masking():
     # Its held-weight kernels run eagerly and its held biases and norm scales are views made in
     # pre-hooks; DDP and forward masking compile one graph per block.

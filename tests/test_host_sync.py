@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp import dist
@@ -20,14 +21,7 @@ from sdp.train import build_strategy
 from sdp.trainer import PhaseTimer, micro_batch_size, train_step
 
 CPU = torch.device("cpu")
-BASE = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
-VARIANTS = {
-    "DDP": ["masking=none"],
-    "N-SDP backward": ["masking=backward", "masking.coverage=0.5"],
-    "N-SDP forward": ["masking=forward", "masking.coverage=0.5"],
-    "B-SDP backward": ["masking=backward", "masking.granularity=block", "masking.coverage=0.5"],
-    "B-SDP forward": ["masking=forward", "masking.granularity=block", "masking.coverage=0.5"],
-}
+BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS
 
 
 class _HostReads(TorchDispatchMode):

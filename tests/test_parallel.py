@@ -242,3 +242,10 @@ def test_chunked_loss_equals_full_under_sdp_x_fsdp(sharded, granularity):
     res = sharded["llama"][granularity]["loss"]  # 2 workers x 2 shards, fp32, one step
     assert res["tensors"] > 1
     assert res["loss_rel"] <= 1e-5 and res["grad_rel"] <= 1e-5 and res["head_grad_rel"] <= 1e-5
+
+
+@pytest.mark.dist
+def test_compiled_blocks_equal_eager_under_sdp_x_fsdp(sharded):
+    res = sharded["llama"]["neuron"]["compile"]  # 2 workers x 2 shards, fp32, dynamo + AOTAutograd
+    assert res["tensors"] > 1
+    assert res["loss_rel"] <= 1e-6 and res["grad_rel"] <= 1e-5

@@ -36,6 +36,11 @@ RECOMPILE_LIMIT = 64
 def apply_compile(model: nn.Module, *, family: str, fullgraph: bool = True, backend: str = "inductor") -> int:
     """Compile the forward of every block of `model` in place; returns how many were compiled."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # Dynamo's DDP optimizer splits a graph compiled inside DDP's forward at bucket boundaries,
+    # so that one huge graph does not hold back every all-reduce. Compiled per block there is no
+    # such graph: each block's gradients are ready when its own backward ends. (The splitting
+    # also refuses bucket_cap_mb below DDP's 1 MiB first bucket.)
+    torch._dynamo.config.optimize_ddp = False
     found = blocks(model, family=family)
     for _, block in found:
         block.forward = torch.compile(block.forward, fullgraph=fullgraph, backend=backend)
