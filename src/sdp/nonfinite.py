@@ -116,7 +116,15 @@ class NonFiniteGuard:
         """Collective: decide on the device whether this step's update is applied, and hand
         the verdict to the fused optimizer as its `found_inf`; no host read."""
         named = _named_grads(strategy)
-        flags = torch.stack([~torch.isfinite(loss), ~_grads_finite(strategy, norm, loss.device)]).float()
+        # One norm per gradient tensor (a foreach reduction, no host sync): the diagnostic's
+        # flags, and without clipping's global norm the check itself (their norm is the one
+        # get_total_norm takes: the gradients are read once).
+        norms = torch.stack(torch._foreach_norm([g for _, g in named])) if named else None
+        if norm is not None or norms is None:
+            grads_ok = _grads_finite(strategy, norm, loss.device)
+        else:
+            grads_ok = torch.linalg.vector_norm(norms).isfinite()
+        flags = torch.stack([~torch.isfinite(loss), ~grads_ok.to(loss.device)]).float()
         verdict = dist.all_reduce_(flags.clone(), op="max").amax()
         self.skipped += verdict
         skip = torch.maximum(verdict, self.latched)
@@ -126,8 +134,7 @@ class NonFiniteGuard:
             self.latched = torch.maximum(self.latched, (self.skipped > self.max_skips).float())
         optimizer.found_inf = skip  # 0-d, like the step counts the fused kernel corrects with it
         self.last_skip = skip
-        # For the diagnostic: one flag per gradient tensor (a foreach reduction, no host sync).
-        per_tensor = ~torch.isfinite(torch.stack(torch._foreach_norm([g for _, g in named]))) if named else None
+        per_tensor = None if norms is None else ~torch.isfinite(norms)
         self._steps.append(
             {
                 "step": self.step,
