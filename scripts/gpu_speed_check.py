@@ -7,7 +7,8 @@ with the full and the chunked loss, against the estimator's peak.
 For llama_134m and llama_1b in bf16 and DDP, FSDP + AC, N-SDP forward, B-SDP forward and
 N-SDP backward (C = 0.5), each eager and compiled (`parallelism.compile`) and with
 `model.loss=full` and `chunked`, this process plays the busiest rank of the job: the run's
-strategy, fused optimizer, device-side NaN/Inf guard and `train_step` on real CUDA tensors,
+strategy, fused optimizer, device-side NaN/Inf guard, prefetched batches and `train_step` on
+real CUDA tensors,
 with a fake process group (collectives move nothing: compute only, as
 `cuda_memory_check.py`). Per configuration: two warm-up steps (compilation), then `--steps`
 timed ones, bracketed by one device sync, with CUDA's sync debug mode counting the host
@@ -39,6 +40,7 @@ import torch
 
 from sdp import dist
 from sdp.config import load_config
+from sdp.data.prefetch import to_device
 from sdp.estimate import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
 from sdp.metrics.comm import CommCounter
 from sdp.nonfinite import NonFiniteGuard, skips_on_device
@@ -76,7 +78,8 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
         guard = None
         if skips_on_device(optimizer):  # as the trainer does: the NaN/Inf check on the device
             guard = NonFiniteGuard("stop", max_skips=0, device=device)
-        batches = itertools.repeat({k: v.to(device) for k, v in dummy_batch(cfg, micro).items()})
+        # The trainer's data path: pinned host batches copied a step ahead on a side stream.
+        batches = to_device(itertools.repeat(dummy_batch(cfg, micro)), device)
         timer = PhaseTimer(device)
 
         def run_step():
