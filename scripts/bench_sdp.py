@@ -63,7 +63,7 @@ def variants(coverage: float) -> list[tuple[str, list[str]]]:
 
 def ddp_step(results: list[Result]) -> float | None:
     """The mean step time of the two DDP runs (either, if the other failed)."""
-    steps = [r.summary["step_time_s"] for r in (results[0], results[-1]) if r.summary is not None]
+    steps = [r.summary.step_time_s for r in (results[0], results[-1]) if r.summary is not None]
     return sum(steps) / len(steps) if steps else None
 
 
@@ -75,16 +75,16 @@ def bound_checks(results: list[Result], coverage: float) -> list[str]:
         s = r.summary
         if s is None or ddp is None or r.label.endswith("serial"):
             continue
-        shared = s["shared_params"] / s["n_params"]
-        forward = s["masking"] == "forward"
+        shared = s.strategy["shared_params"] / s.n_params
+        forward = s.masking == "forward"
         mem_bound = (
             coverage + (1 - coverage) * shared if forward else (4 + 12 * coverage) / 16 + 0.75 * (1 - coverage) * shared
         )
         mem = r.static_bytes / results[0].static_bytes
-        kinds = s["comm_bytes_per_step_by_kind"]
-        grad = (kinds["grad_sync"] + kinds["shared_sync"]) / ddp["comm_bytes_per_step"]
+        kinds = s.comm_bytes_per_step_by_kind
+        grad = (kinds["grad_sync"] + kinds["shared_sync"]) / ddp.comm_bytes_per_step
         grad_bound = coverage + (1 - coverage) * shared
-        worst = max(s["mask"]["coverage_per_worker"]) / s["mask"]["coverage_target"]
+        worst = max(s.strategy["mask"]["coverage_per_worker"]) / s.strategy["mask"]["coverage_target"]
         lines.append(
             f"- {r.label.removesuffix(' overlapped')}: bytes {mem:.3f} x DDP (bound {mem_bound:.3f}: "
             f"{'ok' if mem <= mem_bound * 1.001 else 'over'}"
@@ -93,8 +93,8 @@ def bound_checks(results: list[Result], coverage: float) -> list[str]:
             + (
                 ""
                 if forward
-                else f"; weight refresh {kinds['weight_refresh'] / ddp['comm_bytes_per_step']:.3f} x DDP, "
-                f"total comm {s['comm_bytes_per_step'] / ddp['comm_bytes_per_step']:.3f} x DDP"
+                else f"; weight refresh {kinds['weight_refresh'] / ddp.comm_bytes_per_step:.3f} x DDP, "
+                f"total comm {s.comm_bytes_per_step / ddp.comm_bytes_per_step:.3f} x DDP"
             )
         )
     return lines
@@ -111,21 +111,21 @@ def overlap_table(results: list[Result]) -> tuple[str, list[str]]:
     ddp, base = by_label["DDP"], ddp_step(results)
     if ddp is not None:
         lines.append(
-            f"| DDP (its own overlap; mean of 2 runs) | | {base:.3f} | | | {1e3 * ddp['exposed_comm_s']:.1f} | | | "
-            f"{ddp['comm_bytes_per_step'] / 2**20:.2f} | 1.00 |"
+            f"| DDP (its own overlap; mean of 2 runs) | | {base:.3f} | | | {1e3 * ddp.exposed_comm_s:.1f} | | | "
+            f"{ddp.comm_bytes_per_step / 2**20:.2f} | 1.00 |"
         )
     for label in [r.label.removesuffix(" serial") for r in results if r.label.endswith(" serial")]:
         ser, ovl = by_label[f"{label} serial"], by_label[f"{label} overlapped"]
         if ser is None or ovl is None:
             lines.append(f"| {label} | failed |" + " |" * 8)
             continue
-        step, exp = ovl["step_time_s"] / ser["step_time_s"], _ratio(ovl["exposed_comm_s"], ser["exposed_comm_s"])
-        same = ovl["comm_bytes_per_step_by_kind"] == ser["comm_bytes_per_step_by_kind"]
+        step, exp = ovl.step_time_s / ser.step_time_s, _ratio(ovl.exposed_comm_s, ser.exposed_comm_s)
+        same = ovl.comm_bytes_per_step_by_kind == ser.comm_bytes_per_step_by_kind
         lines.append(
-            f"| {label} | {ser['step_time_s']:.3f} | {ovl['step_time_s']:.3f} | {step:.2f} | "
-            f"{1e3 * ser['exposed_comm_s']:.1f} | {1e3 * ovl['exposed_comm_s']:.1f} | {exp:.2f} | "
-            f"{ser['comm_bytes_per_step'] / 2**20:.2f} | {ovl['comm_bytes_per_step'] / 2**20:.2f} | "
-            f"{_ratio(ovl['step_time_s'], base):.2f} |"
+            f"| {label} | {ser.step_time_s:.3f} | {ovl.step_time_s:.3f} | {step:.2f} | "
+            f"{1e3 * ser.exposed_comm_s:.1f} | {1e3 * ovl.exposed_comm_s:.1f} | {exp:.2f} | "
+            f"{ser.comm_bytes_per_step / 2**20:.2f} | {ovl.comm_bytes_per_step / 2**20:.2f} | "
+            f"{_ratio(ovl.step_time_s, base):.2f} |"
         )
         checks.append(
             f"- {label}: exposed {exp:.2f} x serial ({'ok' if exp <= EXPOSED_TARGET else 'missed'}: target <= "
@@ -152,11 +152,11 @@ def compile_table(eager: list[Result], compiled: list[Result]) -> str:
     for r in compiled:
         label = r.label.removesuffix(" compiled")
         base = by_label.get("DDP" if label == "DDP" else f"{label} overlapped")
-        if base is None or r.summary is None or not r.summary.get("step_time_s"):
+        if base is None or r.summary is None or not r.summary.step_time_s:
             lines.append(f"| {label} | failed | | |")
             continue
-        ours = r.summary["step_time_s"]
-        lines.append(f"| {label} | {base['step_time_s']:.3f} | {ours:.3f} | {ours / base['step_time_s']:.2f} |")
+        ours = r.summary.step_time_s
+        lines.append(f"| {label} | {base.step_time_s:.3f} | {ours:.3f} | {ours / base.step_time_s:.2f} |")
     return "\n".join(lines)
 
 
@@ -180,7 +180,7 @@ def model_check(
     for r in results[1:-1]:
         if r.summary is None or measured_ddp is None:
             continue
-        measured = r.summary["step_time_s"] / measured_ddp
+        measured = r.summary.step_time_s / measured_ddp
         modelled = predicted[r.label] / predicted["DDP"]
         error = modelled / measured - 1
         worst = max(worst, abs(error))

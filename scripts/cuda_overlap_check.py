@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.compare import torchrun_command
 from sdp.config import load_config
 from sdp.estimate import dummy_batch
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
-from sdp.train import build_strategy
+from sdp.rundir import MODEL, read_summary
 from sdp.trainer import PhaseTimer, micro_batch_size, train_step
 
 VARIANTS = {
@@ -90,9 +91,9 @@ def multi_rank(variant: list[str], *, overlap: bool, run_dir: Path, smoke: bool)
     proc = subprocess.run(torchrun_command(4, "-m", "sdp.train", *overrides), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     keys = ("step_time_s", "exposed_comm_s", "comm_wait_s", "comm_bytes_per_step", "comm_groups_per_rank")
-    return {k: summary[k] for k in keys}
+    return {k: getattr(summary, k) for k in keys}
 
 
 def main() -> None:
@@ -116,7 +117,7 @@ def main() -> None:
     for label in MULTI_RANK:
         runs = {o: multi_rank(VARIANTS[label], overlap=o, run_dir=args.out / f"{label}-{o}", smoke=args.smoke)
                 for o in (False, True)}  # fmt: skip
-        a, b = (torch.load(args.out / f"{label}-{o}" / "model.pt", weights_only=True) for o in (False, True))
+        a, b = (torch.load(args.out / f"{label}-{o}" / MODEL, weights_only=True) for o in (False, True))
         equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         result["multi_rank"][label] = {"serial": runs[False], "overlapped": runs[True], "model_pt_equal": equal}
         before, after = (1e3 * runs[o]["exposed_comm_s"] for o in (False, True))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from sdp.compare import torchrun_command
+from sdp.rundir import CHECKPOINTS, read_summary
 
 
 def run(model: str, steps: int, seq_len: int, on_nonfinite: str, run_dir: Path) -> dict:
@@ -46,15 +47,15 @@ def run(model: str, steps: int, seq_len: int, on_nonfinite: str, run_dir: Path) 
     proc = subprocess.run(torchrun_command(1, "-m", "sdp.train", *overrides), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    size = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*") if p.is_file())
-    kept = len(list((run_dir / "checkpoints").iterdir()))
+    summary = read_summary(run_dir)
+    size = sum(p.stat().st_size for p in (run_dir / CHECKPOINTS).rglob("*") if p.is_file())
+    kept = len(list((run_dir / CHECKPOINTS).iterdir()))
     return {
         "on_nonfinite": on_nonfinite,
-        "tokens_per_s": summary["tokens_or_samples_per_s"],
-        "step_time_s": summary["step_time_s"],
-        "checkpoints_written": summary["checkpoints_written"],
-        "checkpoint_time_s": summary["checkpoint_time_s"],
+        "tokens_per_s": summary.tokens_or_samples_per_s,
+        "step_time_s": summary.step_time_s,
+        "checkpoints_written": summary.checkpoints_written,
+        "checkpoint_time_s": summary.checkpoint_time_s,
         "checkpoint_gib": size / kept / 2**30,
     }
 

@@ -39,13 +39,13 @@ from pathlib import Path
 import torch
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.data.prefetch import to_device
 from sdp.estimate import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
 from sdp.metrics.comm import CommCounter
 from sdp.nonfinite import NonFiniteGuard, skips_on_device
 from sdp.optim import build_optimizer
-from sdp.train import build_strategy
 from sdp.trainer import PhaseTimer, _mfu, micro_batch_size, train_step
 
 GIB = 2**30

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from conftest import TINY_MODELS, tiny_model_cfg
 from torch.nn.parallel import DistributedDataParallel
 
+from sdp.dist import local
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.memory import local
 from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
@@ -269,7 +269,7 @@ def sharded() -> dict:
     """K = 2 SDP workers x F = 2 FSDP shards (4 ranks), forward masking at both granularities:
     parameters after 3 steps (saved for the test to compare with plain SDP), and each rank's
     bytes against a prediction from the mask."""
-    from sdp.parallel.sharded import ShardedSDPStrategy
+    from sdp.subnet.sharded import ShardedSDPStrategy
 
     out = {}
     rank = dist.get_rank()

@@ -86,7 +86,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, grou
 
 def test_no_intact_checkpoint_refuses_the_resume_naming_each_damage(tmp_path, group):
     from sdp.errors import RunFailed
-    from sdp.train import pick_checkpoint
+    from sdp.runner import pick_checkpoint
 
     older = _save(tmp_path, 2, _trainer())
     newest = _save(tmp_path, 4, _trainer())

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from sdp.collect import build_rows, collect, find_runs, variant_label
+from sdp.rundir import Summary
 
 GIB = 2**30
 
@@ -40,6 +41,8 @@ def _run(root, name, *, masking="none", gran="neuron", coverage=1.0, seed=0, acc
         "parallelism": "ddp",
         "activation_checkpointing": "none",
         "mixed_precision": "fp32",
+        "world_size": 4,
+        "device": "cpu",
         **extra,
     }
     (d / "summary.json").write_text(json.dumps(summary))
@@ -72,12 +75,18 @@ def test_rows_average_seeds_and_compare_with_ddp(tmp_path):
 
 
 def test_labels_name_the_paper_variants_and_stacked_methods():
+    head = dict(status="completed", model="m", dataset="d", world_size=8, coverage=0.5, protocol="same_iteration",
+                device="cpu", seed=0, activation_checkpointing="none", mixed_precision="fp32")  # fmt: skip
+
+    def label(**entries) -> str:
+        return variant_label(Summary.from_json({**head, "parallelism": "ddp", **entries}))
+
     base = {"masking": "forward", "granularity": "block", "parallelism": "fsdp", "fsdp_degree": 4}
-    assert variant_label({**base, "activation_checkpointing": "full", "mixed_precision": "bf16"}) == (
+    assert label(**base, activation_checkpointing="full", mixed_precision="bf16") == (
         "B-SDP forward x FSDP(4) + AC + bf16"
     )
-    assert variant_label({"masking": "none", "parallelism": "fsdp"}) == "FSDP"
-    assert variant_label({"masking": "stochastic_depth"}) == "Stochastic depth"
+    assert label(masking="none", parallelism="fsdp") == "FSDP"
+    assert label(masking="stochastic_depth") == "Stochastic depth"
 
 
 def test_collect_writes_markdown_csv_and_plots(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from conftest import run_harness, tiny_model_cfg
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.estimate import dummy_batch, skip_ddp_shape_check
 from sdp.metrics.comm import CommCounter
@@ -19,7 +20,6 @@ from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.subnet import MaskingConfig
 from sdp.subnet.strategy import SDPStrategy
-from sdp.train import build_strategy
 from sdp.trainer import PhaseTimer, forward_loss, micro_batch_size, train_step
 
 CPU = torch.device("cpu")
@@ -128,7 +128,7 @@ def test_a_mask_resample_compiles_no_new_graph(monkeypatch, masking):
     # compiles are). The first subnetwork's blocks compile once; the next ones reuse them.
     backend = _CountingBackend()
     monkeypatch.setattr(
-        "sdp.train.apply_compile", lambda model, **kw: apply_compile(model, **{**kw, "backend": backend})
+        "sdp.build.apply_compile", lambda model, **kw: apply_compile(model, **{**kw, "backend": backend})
     )
     overrides = [
         "model=llama_tiny",

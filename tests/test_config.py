@@ -116,9 +116,8 @@ def test_bad_values_name_their_key(override, key):
 
 
 def _readme_error_table() -> list[tuple[str, list[str], int, str]]:
-    """The rows of the README's 'Bad input' table: (what, overrides, processes, error start)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    """The rows of the 'Bad input' table in docs/bad-input.md: (what, overrides, processes, error start)."""
+    section = (Path(__file__).parents[1] / "docs" / "bad-input.md").read_text()
     row = re.compile(r"^\| (.+?) \| `([^`]+)` \((\d+)\) \| `(.+)` \|$")
     rows = [m.groups() for m in map(row.match, section.splitlines()) if m]
     return [(what, overrides.split(), int(n), error) for what, overrides, n, error in rows]

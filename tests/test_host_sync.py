@@ -12,12 +12,12 @@ from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.estimate import dummy_batch, skip_ddp_shape_check
 from sdp.metrics.comm import CommCounter
 from sdp.nonfinite import NonFiniteGuard
 from sdp.optim import build_optimizer
-from sdp.train import build_strategy
 from sdp.trainer import PhaseTimer, micro_batch_size, train_step
 
 CPU = torch.device("cpu")

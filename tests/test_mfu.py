@@ -9,12 +9,12 @@ import torch
 from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.estimate import dummy_batch, skip_ddp_shape_check
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import attention_heads, model_flops_per_token
 from sdp.optim import build_optimizer
-from sdp.train import build_strategy
 from sdp.trainer import PhaseTimer, _mfu, count_flops, micro_batch_size, train_step
 
 CPU = torch.device("cpu")

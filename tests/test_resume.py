@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import launch, read_run
 
-from sdp.checkpoint import check_resume, complete_checkpoints, first_difference, truncate_metrics
+from sdp.checkpoint import check_resume, complete_checkpoints, first_difference
 from sdp.data import build_data
 from sdp.errors import ConfigError
+from sdp.rundir import truncate_metrics
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
 COMMON = ["logger=none", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0", "dataset.eval_batches=1"]
@@ -92,7 +93,7 @@ def test_first_difference_and_metrics_truncation(tmp_path):
 
 def test_resume_may_change_logging_but_not_training(tmp_path):
     from sdp.config import load_config
-    from sdp.train import resume_config
+    from sdp.runner import resume_config
 
     raw, _ = load_config([*TINY, "logger=none"], world_size=2, offline=True, check_data=False)
     other, _ = load_config(
@@ -134,7 +135,7 @@ def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
 def test_a_signal_asks_every_rank_to_stop(tmp_path):
     import torch.distributed as tdist
 
-    from sdp.train import StopSignals
+    from sdp.runner import StopSignals
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

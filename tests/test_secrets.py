@@ -13,11 +13,16 @@ from sdp.config import GROUPS, compose_config, group_options, load_config, typed
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, RunLogger
 from sdp.redact import REDACTED, is_secret_name, redact, redact_text, redact_yaml, secret_values
+from sdp.rundir import Summary, write_summary
 from sdp.sweep import run_sweep
 
 # Distinctive fakes: 40 hex digits like a W&B key, `hf_` and 34 letters like a Hugging Face token.
 WANDB_KEY = "5ec7e7c0ffee5ec7e7c0ffee5ec7e7c0ffee5ec7"
 HF_TOKEN = "hf_FakeFakeFakeTokenForTestsOnly0123456"
+SUMMARY_HEAD = dict(
+    model="m", dataset="d", world_size=1, coverage=1.0, masking="none", parallelism="ddp",
+    activation_checkpointing="none", mixed_precision="fp32", protocol="same_iteration", device="cpu", seed=0,
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -166,11 +171,18 @@ def test_no_secret_reaches_any_file_of_the_run_dir(tmp_path, monkeypatch, secret
     (tmp_path / "config.yaml").write_text(redact_yaml(OmegaConf.create(config)))
     try:
         logger = RunLogger(
-            LoggerConfig(mode="offline", project="sdp-test"), run_dir=tmp_path, run_name="r", config=config, active=True
+            LoggerConfig(mode="offline", project="sdp-test"),
+            run_dir=tmp_path,
+            metrics=tmp_path / "metrics.jsonl",
+            run_name="r",
+            config=config,
+            active=True,
         )
         for step in (1, 2, 3):
             logger.log({"step": step, "train_loss": 1.0 / step, "note": f"token {HF_TOKEN}"})
-        logger.summary({"status": "failed", "error": f"HTTPError: 401 for token {HF_TOKEN} / {WANDB_KEY}"})
+        failed = Summary(**SUMMARY_HEAD, status="failed", error=f"HTTPError: 401 for token {HF_TOKEN} / {WANDB_KEY}")
+        write_summary(tmp_path, failed)
+        logger.summary(failed.to_json())
         logger.close(exit_code=1)
     finally:
         wandb.teardown()

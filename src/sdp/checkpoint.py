@@ -40,11 +40,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sdp import dist
+from sdp.dist import local
 from sdp.errors import ConfigError
-from sdp.metrics.logger import write_json_atomic
-from sdp.metrics.memory import local
-
-CHECKPOINTS = "checkpoints"
+from sdp.rundir import CHECKPOINTS, METRICS, run_status, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -108,19 +106,14 @@ def check_resume(run_dir: Path, config: dict, *, world_size: int, restarted: boo
 
     `restarted`: this launch is a torchrun restart of the job that made the run dir; if that
     job died before its first checkpoint, it starts again from step 0 (no candidates)."""
-    summary = run_dir / "summary.json"
-    try:
-        status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
-    except ValueError:
-        status = None  # a damaged summary is rewritten by the resumed run
-    if status == "completed":
+    if run_status(run_dir) == "completed":  # a damaged summary is rewritten by the resumed run
         raise ConfigError("run_dir", str(run_dir), "holds a completed run; choose a new run_dir")
     problems: list[str] = []
     found = complete_checkpoints(run_dir, problems)
     if not found:
         if restarted and not problems:
             return Resume(candidates=[], problems=[])
-        if (run_dir / "metrics.jsonl").exists():
+        if (run_dir / METRICS).exists():
             damaged = f" ({'; '.join(problems)})" if problems else ""
             raise ConfigError(
                 "run_dir",
@@ -388,14 +381,3 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     st[key] = DTensor.from_local(
                         value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
                     )
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records of steps after `step` (a resumed run writes them again)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)

@@ -26,35 +26,39 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, read_summary
+
 GIB, MIB = 2**30, 2**20
 
 
-def variant_label(summary: dict) -> str:
+def variant_label(summary: Summary) -> str:
     """The paper's name of a run's variant, plus the memory-saving methods stacked on it."""
-    masking = summary["masking"]
+    masking = summary.masking
     if masking == "none":
-        label = "FSDP" if summary.get("parallelism") == "fsdp" else "DDP"
+        label = "FSDP" if summary.parallelism == "fsdp" else "DDP"
     elif masking == "dropout":
         label = "Dropout"
     elif masking == "stochastic_depth":
         label = "Stochastic depth"
     else:
-        label = f"{'N' if summary.get('granularity') == 'neuron' else 'B'}-SDP {masking}"
-        if summary.get("parallelism") == "fsdp":
-            label += f" x FSDP({summary.get('fsdp_degree', 1)})"
-    if summary.get("activation_checkpointing", "none") != "none":
+        label = f"{'N' if summary.strategy.get('granularity') == 'neuron' else 'B'}-SDP {masking}"
+        if summary.parallelism == "fsdp":
+            label += f" x FSDP({summary.strategy.get('fsdp_degree', 1)})"
+    if summary.activation_checkpointing != "none":
         label += " + AC"
-    if summary.get("mixed_precision") == "bf16":
+    if summary.mixed_precision == "bf16":
         label += " + bf16"
     return label
 
 
-def find_runs(roots: list[Path]) -> list[tuple[Path, dict]]:
-    """Every run dir under the roots, with its summary, in path order."""
+def find_runs(roots: list[Path]) -> list[tuple[Path, Summary]]:
+    """Every run dir under the roots with a readable summary, in path order."""
     found = []
     for root in roots:
-        for path in sorted(Path(root).rglob("summary.json")):
-            found.append((path.parent, json.loads(path.read_text())))
+        for path in sorted(Path(root).rglob(SUMMARY)):
+            summary = read_summary(path.parent)
+            if summary is not None:
+                found.append((path.parent, summary))
     return found
 
 
@@ -63,11 +67,6 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def _static(summary: dict) -> int:
-    mem = summary["memory"]
-    return mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
 
 
 # Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
@@ -79,7 +78,7 @@ def settings(run_dir: Path) -> dict:
     """The run's config.yaml without seeds and bookkeeping: runs with equal settings are one row."""
     import yaml
 
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG
     config = yaml.safe_load(path.read_text()) if path.is_file() else {}
     config = {k: v for k, v in config.items() if k not in NOT_A_SETTING}
     trainer = {k: v for k, v in config.get("trainer", {}).items() if k not in NOT_A_TRAINER_SETTING}
@@ -98,19 +97,19 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def build_rows(runs: list[tuple[Path, dict]]) -> dict[str, dict]:
+def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
     """{table: {"rows": [...], "incomplete": n, "kind": text|image}} from completed runs."""
     groups: dict[str, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
     incomplete: dict[str, int] = defaultdict(int)
     kinds: dict[str, str] = {}
     for run_dir, s in runs:
-        table = f"{s['model']}_{s['dataset']}"
-        if s.get("status") != "completed":
+        table = f"{s.model}_{s.dataset}"
+        if s.status != "completed":
             incomplete[table] += 1
             continue
-        kinds[table] = "text" if "eval_token_acc" in s or s.get("throughput_unit") == "tokens/s" else "image"
+        kinds[table] = "text" if s.eval_token_acc is not None or s.throughput_unit == "tokens/s" else "image"
         config = settings(run_dir)
-        key = (variant_label(s), s.get("coverage", 1.0), s.get("protocol", "same_iteration"), json.dumps(config))
+        key = (variant_label(s), s.coverage, s.protocol, json.dumps(config))
         groups[table][key].append((run_dir, s))
     tables = {}
     for table, by_key in groups.items():
@@ -126,21 +125,19 @@ def build_rows(runs: list[tuple[Path, dict]]) -> dict[str, dict]:
                 label += " [" + ", ".join(f"{k}={flat.get(k)}" for k in differing[:3]) + "]"
             sums = [s for _, s in members]
             row = {"variant": label, "coverage": coverage, "protocol": protocol, "runs": len(sums)}
-            row["steps"] = sums[0]["steps"]
+            row["steps"] = sums[0].steps
             if kinds[table] == "image":
-                row["eval_acc"], row["eval_acc_std"] = _mean_std([s.get("eval_acc") for s in sums])
-            row["eval_loss"], row["eval_loss_std"] = _mean_std([s.get("eval_loss") for s in sums])
+                row["eval_acc"], row["eval_acc_std"] = _mean_std([s.eval_acc for s in sums])
+            row["eval_loss"], row["eval_loss_std"] = _mean_std([s.eval_loss for s in sums])
             if kinds[table] == "text" and row["eval_loss"] is not None:
                 row["eval_ppl"] = math.exp(row["eval_loss"])
-            row["peak_gib"], _ = _mean_std(
-                [s["memory"]["peak_bytes"] / GIB for s in sums if s["memory"].get("peak_bytes")]
-            )
-            row["static_gib"], _ = _mean_std([_static(s) / GIB for s in sums])
-            cuda = [s["memory"].get("cuda_max_allocated_bytes") for s in sums]
+            row["peak_gib"], _ = _mean_std([s.memory["peak_bytes"] / GIB for s in sums if s.memory.get("peak_bytes")])
+            row["static_gib"], _ = _mean_std([s.static_bytes / GIB for s in sums])
+            cuda = [s.memory.get("cuda_max_allocated_bytes") for s in sums]
             row["cuda_peak_gib"] = _mean_std([c / GIB for c in cuda if c])[0]
-            row["throughput_per_rank"], _ = _mean_std([s.get("tokens_or_samples_per_s_per_rank") for s in sums])
-            row["comm_mib_per_step"], _ = _mean_std([s["comm_bytes_per_step"] / MIB for s in sums])
-            row["step_time_s"], _ = _mean_std([s.get("step_time_s") for s in sums])
+            row["throughput_per_rank"], _ = _mean_std([s.tokens_or_samples_per_s_per_rank for s in sums])
+            row["comm_mib_per_step"], _ = _mean_std([s.comm_bytes_per_step / MIB for s in sums])
+            row["step_time_s"], _ = _mean_std([s.step_time_s for s in sums])
             row["run_dirs"] = [str(d) for d, _ in members]
             rows.append(row)
         ddp = next((r for r in rows if r["variant"] == "DDP"), None)
@@ -269,7 +266,7 @@ def plots(table: str, info: dict, out: Path) -> list[Path]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        records = [json.loads(line) for line in (Path(r["run_dirs"][0]) / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (Path(r["run_dirs"][0]) / METRICS).read_text().splitlines()]
         points = [(x["step"], x["train_loss"]) for x in records if "train_loss" in x]
         if points:
             ax.plot(*zip(*points, strict=True), label=_label(r), lw=1.2)

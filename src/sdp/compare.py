@@ -7,7 +7,6 @@ metrics.jsonl and summary.json; the table is built from the summaries.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,18 +15,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdp.rundir import Summary, read_summary
+
 
 @dataclass
 class Result:
     label: str
     run_dir: Path
     wall_s: float
-    summary: dict | None  # None when the run failed
+    summary: Summary | None  # None when the run failed
 
     @property
     def static_bytes(self) -> int:
-        mem = self.summary["memory"]
-        return mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+        return self.summary.static_bytes
 
 
 def torchrun_command(nproc: int, *target: str) -> list[str]:
@@ -50,24 +50,23 @@ def run_variants(base: list[str], variants: list[tuple[str, list[str]]], *, root
     for i, (label, overrides) in enumerate(variants):
         run_dir = root / f"{i}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}"  # '=' would break the override
         rc, wall = launch(base + overrides, run_dir=run_dir, nproc=nproc)
-        path = run_dir / "summary.json"
-        summary = json.loads(path.read_text()) if path.exists() else None
-        if rc != 0 or summary is None or summary.get("status") != "completed":
+        summary = read_summary(run_dir)
+        if rc != 0 or summary is None or summary.status != "completed":
             summary = None
         results.append(Result(label, run_dir, wall, summary))
     return results
 
 
-def _quality(s: dict) -> str:
-    return f"{s['eval_acc']:.2%} acc" if "eval_acc" in s else f"{s['eval_loss']:.3f} loss"
+def _quality(s: Summary) -> str:
+    return f"{s.eval_acc:.2%} acc" if s.eval_acc is not None else f"{s.eval_loss:.3f} loss"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "" if not a or not b else f"{a / b:.2f}"
 
 
-def _peak(s: dict | None) -> int | None:
-    return s and s["memory"].get("peak_bytes")
+def _peak(s: Summary | None) -> int | None:
+    return s and s.memory.get("peak_bytes")
 
 
 def comparison_table(results: list[Result]) -> str:
@@ -83,13 +82,13 @@ def comparison_table(results: list[Result]) -> str:
         if s is None:
             lines.append(f"| {r.label} | failed |" + " |" * 9 + f" {r.wall_s:.0f} |")
             continue
-        mem, comm, step, peak = r.static_bytes, s["comm_bytes_per_step"], s["step_time_s"], _peak(s)
+        mem, comm, step, peak = r.static_bytes, s.comm_bytes_per_step, s.step_time_s, _peak(s)
         peak_mib = "" if peak is None else f"{peak / 2**20:.1f}"
         lines.append(
-            f"| {r.label} | {_quality(s)} | {s['train_loss']:.3f} | {mem / 2**20:.1f} | "
+            f"| {r.label} | {_quality(s)} | {s.train_loss:.3f} | {mem / 2**20:.1f} | "
             f"{_ratio(mem, base and base.static_bytes)} | {peak_mib} | {_ratio(peak, _peak(base and base.summary))} | "
             f"{comm / 2**20:.2f} | "
-            f"{_ratio(comm, base and base.summary['comm_bytes_per_step'])} | {'' if step is None else f'{step:.3f}'} | "
-            f"{_ratio(step, base and base.summary['step_time_s'])} | {r.wall_s:.0f} |"
+            f"{_ratio(comm, base and base.summary.comm_bytes_per_step)} | {'' if step is None else f'{step:.3f}'} | "
+            f"{_ratio(step, base and base.summary.step_time_s)} | {r.wall_s:.0f} |"
         )
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConf
 from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
 from sdp.subnet import MaskingConfig, is_sdp, validate_masking
+from sdp.subnet.strategy import validate_plan
 from sdp.trainer import TrainerConfig, validate_trainer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -154,8 +155,6 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         world_size=world_size,
     )
     if is_sdp(cfg.masking.name):
-        from sdp.subnet.strategy import validate_plan
-
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
         validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=cfg.trainer.max_steps)
     validate_optim(cfg.optim)

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's (FSDP's) local shard, or t itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)

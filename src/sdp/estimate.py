@@ -45,9 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.parallel.distributed as ddp_module
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
+from sdp.build import build_strategy
 from sdp.cluster import Cluster, format_step_times, load_cluster, place, step_times
 from sdp.config import RunConfig, load_config
 from sdp.errors import ConfigError
@@ -196,8 +198,6 @@ def skip_ddp_shape_check():
     """DDP checks at construction that every rank's parameter shapes agree, through a
     collective that reads tensor data: fake tensors have none and a fake process group
     has no other ranks. One process playing one rank builds the model every rank would."""
-    import torch.nn.parallel.distributed as ddp_module
-
     check = ddp_module._verify_param_shape_across_processes
     ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
     try:
@@ -208,8 +208,6 @@ def skip_ddp_shape_check():
 
 def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`."""
-    from sdp.train import build_strategy
-
     start = time.perf_counter()
     device = torch.device("cpu")
     # No NaN check under fake tensors (it reads a value); it costs a scalar, nothing to measure.

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from sdp import dist
+from sdp.dist import local
 from sdp.errors import RunFailed
-from sdp.metrics.logger import RunLogger, write_json_atomic
-from sdp.metrics.memory import local
+from sdp.metrics.logger import RunLogger
+from sdp.rundir import nonfinite_record, write_json_atomic
 
 POLICIES = ("stop", "skip", "off")
 
@@ -188,7 +189,7 @@ def handle_nonfinite(
         dist.warn0(world, f"step {step} skipped ({len(skipped)} of at most {max_skips}): {bad}")
         return
     if world.is_main and run_dir is not None:
-        write_json_atomic(run_dir / f"nonfinite_step_{step}.json", {**record, "skipped_before": skipped})
+        write_json_atomic(nonfinite_record(run_dir, step), {**record, "skipped_before": skipped})
     why = f"after {len(skipped)} skipped steps, " if policy == "skip" else ""
     later = (
         f" (found at step {found_at}: the updates of steps {step}-{found_at} were skipped)" if found_at > step else ""

@@ -43,9 +43,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 
+from sdp import dist, runner
+from sdp.compare import launch
+from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.redact import redact, redact_text
+from sdp.rundir import read_summary, run_status
 
 SWEEP_KEYS = ("nproc", "dir", "dry_run", "launcher", "nodes", "partition", "timeout_min", "cpus_per_task", "wait")
 LAUNCHERS = ("torchrun", "slurm", "submitit_local")
@@ -80,10 +87,6 @@ def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def expand(overrides: list[str]) -> list[list[str]]:
     """The jobs of a sweep: Hydra's cross product of every sweep override, in Hydra's order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
@@ -100,37 +103,21 @@ def job_dir(root: Path, index: int, job: list[str], swept: set[str]) -> Path:
     return root / f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)[:120]}"
 
 
-def _summary(run_dir: Path) -> dict:
-    """The run's summary.json ({} when it has none or it cannot be read)."""
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _status(run_dir: Path) -> str | None:
-    return _summary(run_dir).get("status")
-
-
 def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0) -> list[Job]:
     """Every job with its run dir, checked before anything runs (a refused job is `invalid`);
     numbered from `start` (to append the jobs of another sweep to a plan)."""
-    from sdp import dist
-    from sdp.config import load_config
-    from sdp.train import check_run_dir
-
     jobs = expand(overrides)
     swept = {o.split("=", 1)[0] for o in overrides if "," in o or "(" in o}
     out = []
     for i, job in enumerate(jobs, start):
         run_dir = job_dir(root, i, job, swept)
         status, error = "planned", None
-        if _status(run_dir) == "completed":
+        if run_status(run_dir) == "completed":
             status = "skipped"
         else:
             try:
                 raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
-                check_run_dir(cfg, raw, world_size=nproc)
+                runner.check_run_dir(cfg, raw, world_size=nproc)
             except ConfigError as err:
                 status, error = "invalid", str(err)
         out.append(Job(i, job, str(run_dir), status, error))
@@ -151,9 +138,6 @@ def cluster_task(overrides: list[str]) -> int:
     environment, then the entrypoint in this process."""
     import submitit
 
-    from sdp import dist
-    from sdp.train import main
-
     env = submitit.JobEnvironment()
     dist.export_world(
         rank=env.global_rank,
@@ -164,7 +148,7 @@ def cluster_task(overrides: list[str]) -> int:
         port=_port(env.job_id),
     )
 
-    return main(list(overrides))
+    return runner.main(list(overrides))
 
 
 def _executor(launcher: str, options: dict[str, str], *, root: Path, nproc: int, nodes: int):
@@ -207,8 +191,6 @@ def execute(
     """Run the planned jobs one after another (torchrun) or through submitit, a failure not
     stopping the others, recording each in ROOT/sweep.json; 0 when every valid job completed,
     1 when one failed, 2 when no job could run."""
-    from sdp.compare import launch
-
     options = options or {}
     root.mkdir(parents=True, exist_ok=True)
 
@@ -226,11 +208,12 @@ def execute(
     if launcher == "torchrun":
         for job in runnable:
             job.exit_code, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
-            summary = _summary(Path(job.run_dir))
-            ok = job.exit_code == 0 and summary.get("status") in ("completed", "stopped")
-            job.status = summary["status"] if ok else "failed"
+            summary = read_summary(Path(job.run_dir))
+            status = summary.status if summary else None
+            ok = job.exit_code == 0 and status in ("completed", "stopped")
+            job.status = status if ok else "failed"
             if not ok:
-                job.error = summary.get("error") or f"torchrun exited with code {job.exit_code}"
+                job.error = (summary and summary.error) or f"torchrun exited with code {job.exit_code}"
             note = "" if ok else f" (exit code {job.exit_code}: {job.error})"
             print(redact_text(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}{note}"), flush=True)
             record()
@@ -253,7 +236,7 @@ def execute(
                 ok = False
                 job.error = str(err).strip().splitlines()[-1][:500] if str(err).strip() else type(err).__name__
             job.wall_s = time.perf_counter() - start
-            status = _status(Path(job.run_dir))
+            status = run_status(Path(job.run_dir))
             job.status = status if ok and status in ("completed", "stopped") else "failed"
             print(f"[{job.index:03d}] {job.status}: {job.run_dir}", flush=True)
             record()

@@ -1,9 +1,8 @@
-"""Run outputs on rank 0: metrics.jsonl, summary.json and (optionally) W&B."""
+"""Metric records on rank 0: the run's metrics.jsonl and (optionally) W&B."""
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -41,15 +40,9 @@ def validate_logger(cfg: LoggerConfig) -> None:
             raise ConfigError(f"logger.{key}", getattr(cfg, key), "must be > 0 (seconds)")
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write JSON through a temporary file so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 class RunLogger:
-    """Appends metric records to `metrics.jsonl` and mirrors them to W&B.
+    """Appends metric records to the run's metrics file (`sdp.rundir.METRICS`) and mirrors them,
+    and the end-of-run summary, to W&B.
 
     Only rank 0 constructs one with `active=True`; other ranks get a logger
     that does nothing, so call sites need no rank checks. A W&B failure (an
@@ -63,12 +56,14 @@ class RunLogger:
         cfg: LoggerConfig,
         *,
         run_dir: Path,
+        metrics: Path,
         run_name: str,
         config: dict,
         active: bool,
         resume_id: str | None = None,
     ):
-        """`resume_id`: the W&B run id of the run this launch resumes (it continues that W&B run)."""
+        """`metrics`: the JSON-lines file records are appended to; `run_dir`: where W&B keeps its
+        files; `resume_id`: the W&B run id of the run this launch resumes (it continues that W&B run)."""
         self.active = active
         self.run_dir = run_dir
         self._wandb_run = None
@@ -76,7 +71,7 @@ class RunLogger:
         if not active:
             return
         self._secrets = secret_values()
-        self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._metrics = open(metrics, "a", buffering=1)
         if cfg.name == "wandb" and cfg.mode != "disabled":
             self._start_wandb(cfg, run_name, config)
 
@@ -137,16 +132,14 @@ class RunLogger:
                 self._wandb_failed("log", err)
 
     def summary(self, summary: dict) -> None:
-        """Write `summary.json` (the contract the table scripts read) and the W&B summary."""
-        if not self.active:
+        """Mirror the run's summary (summary.json's object) to W&B's run summary."""
+        if not self.active or self._wandb_run is None:
             return
         summary = redact(summary, self._secrets)  # a failed run's `error` may quote a secret
-        write_json_atomic(self.run_dir / "summary.json", summary)
-        if self._wandb_run is not None:
-            try:
-                self._wandb_run.summary.update(_flatten(summary))
-            except Exception as err:  # noqa: BLE001
-                self._wandb_failed("summary", err)
+        try:
+            self._wandb_run.summary.update(_flatten(summary))
+        except Exception as err:  # noqa: BLE001
+            self._wandb_failed("summary", err)
 
     def close(self, *, exit_code: int = 0) -> None:
         if not self.active:

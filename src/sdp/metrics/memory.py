@@ -32,6 +32,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from sdp.dist import local
+
 PEAK_KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
 _ALLOCATING: list[str] = []  # kinds declared by `allocating`, innermost last
 
@@ -48,11 +50,6 @@ def allocating(kind: str):
         yield
     finally:
         _ALLOCATING.pop()
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's (FSDP's) local shard, or t itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _nbytes(tensors) -> int:

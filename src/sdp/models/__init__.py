@@ -116,6 +116,32 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     raise ConfigError("model.family", getattr(cfg, "family", None), f"allowed: {', '.join(FAMILIES)}")
 
 
+def block_type(family: str) -> type:
+    """The module type of the family's blocks: transformers' `LlamaDecoderLayer`, torchvision's
+    `BasicBlock`, timm's `SwinTransformerBlock` (imported only for the family asked for). A block
+    is what SDP's block-level units, activation checkpointing, compilation and FSDP work on."""
+    if family == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return LlamaDecoderLayer
+    if family == "resnet":
+        from torchvision.models.resnet import BasicBlock
+
+        return BasicBlock
+    if family == "swin":
+        from timm.models.swin_transformer import SwinTransformerBlock
+
+        return SwinTransformerBlock
+    raise ConfigError("model.family", family, f"allowed: {', '.join(FAMILIES)}")
+
+
+def blocks(model: nn.Module, *, family: str) -> list[tuple[str, nn.Module]]:
+    """The family's blocks present in `model`, by path (a block that forward masking dropped
+    has been replaced by a skip module and is not listed)."""
+    kind = block_type(family)
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, kind)]
+
+
 def computes_loss(cfg: ModelConfig) -> bool:
     """Whether the model built from `cfg` computes its loss in its forward, given `targets`
     (LLaMA: `sdp.models.llama.LlamaLM`); the others return logits."""

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from sdp.subnet.units import blocks
+from sdp.models import blocks
 
 _aten = torch.ops.aten
 # Operations whose outputs selective checkpointing keeps.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sdp.subnet.units import blocks
+from sdp.models import blocks
 
 # Dynamo keeps one cache of compiled graphs per code object: every block of a family shares
 # one (`BasicBlock.forward`), and each block that differs in shape or structure (ResNet's

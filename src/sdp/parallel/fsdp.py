@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from sdp import dist as sdp_dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
+from sdp.models import blocks
 from sdp.parallel import ParallelConfig, Strategy
-from sdp.subnet.units import blocks
 
 
 def counting_collectives(comm: CommCounter):

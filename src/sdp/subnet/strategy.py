@@ -13,6 +13,7 @@ from torch import nn
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
+from sdp.models import blocks, build_model
 from sdp.optim import rebind
 from sdp.parallel import ParallelConfig, Strategy, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
@@ -29,7 +30,7 @@ from sdp.subnet.mask import Mask, build_mask, mask_stats
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
 from sdp.subnet.sync import GradSync, Transfer, broadcast_from_holders
-from sdp.subnet.units import UnitSpec, blocks, unit_spec
+from sdp.subnet.units import UnitSpec, unit_spec
 
 
 def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
@@ -117,8 +118,6 @@ def _too_many_groups(model: nn.Module, cfg: MaskingConfig, *, family: str, worke
 def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=None, steps: int = 0) -> None:
     """Check the mask against the model before launch (the model is built on the meta device),
     and the process groups it needs against parallelism.max_comm_groups."""
-    from sdp.models import build_model
-
     with torch.device("meta"):
         model = build_model(model_cfg)
     spec, mask = plan_mask(model, cfg, family=model_cfg.family, world_size=world_size)
@@ -248,7 +247,7 @@ class SDPStrategy(Strategy):
         if self.refresh is not None:
             self.refresh.trace = trace
 
-    # Hooks for SDP x FSDP (sdp.parallel.sharded), where a worker is a group of ranks.
+    # Hooks for SDP x FSDP (sdp.subnet.sharded), where a worker is a group of ranks.
 
     @property
     def worker(self) -> int:

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sdp.dist import local
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.memory import allocating, local
+from sdp.metrics.memory import allocating
 from sdp.subnet.groups import HolderGroups
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sdp.errors import ConfigError
+from sdp.models import blocks
 
 GRANULARITIES = ("neuron", "block")
 
@@ -154,12 +155,6 @@ def _llama_neurons(path: str, layer: nn.Module) -> list[UnitGroup]:
     return [ffn, UnitGroup(attn, "heads", kv, slices, outputs=[f"{attn}.o_proj"])]
 
 
-def _llama_block_type() -> type:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
-
-
 # ---------------------------------------------------------------- ResNet (torchvision)
 
 
@@ -194,12 +189,6 @@ def _resnet_neurons(path: str, block: nn.Module) -> list[UnitGroup]:
     return [UnitGroup(path, "channels", n, slices, outputs=[f"{path}.conv2"])]
 
 
-def _resnet_block_type() -> type:
-    from torchvision.models.resnet import BasicBlock
-
-    return BasicBlock
-
-
 # ---------------------------------------------------------------- Swin (timm)
 
 
@@ -223,22 +212,15 @@ def _swin_neurons(path: str, block: nn.Module) -> list[UnitGroup]:
     return [ffn, heads_group]
 
 
-def _swin_block_type() -> type:
-    from timm.models.swin_transformer import SwinTransformerBlock
-
-    return SwinTransformerBlock
-
-
 # ---------------------------------------------------------------- one mechanism for every family
 
 
 @dataclass(frozen=True)
 class FamilyRule:
-    """Where a family's units are: its block type, the block's residual branch and the
-    modules whose outputs join the residual stream, how a dropped block is skipped,
-    and the neuron-level groups inside a block."""
+    """Where a family's units are (its blocks are `sdp.models.blocks`): the block's residual
+    branch and the modules whose outputs join the residual stream, how a dropped block is
+    skipped, and the neuron-level groups inside a block."""
 
-    block_type: Callable[[], type]  # imported lazily
     branch: list[str]
     outputs: list[str]
     skip: Callable[[nn.Module], nn.Module]
@@ -247,34 +229,24 @@ class FamilyRule:
 
 RULES = {
     "llama": FamilyRule(
-        _llama_block_type,
         branch=["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
         outputs=["self_attn.o_proj", "mlp.down_proj"],
         skip=lambda _: _SkippedDecoderLayer(),
         neurons=_llama_neurons,
     ),
     "resnet": FamilyRule(
-        _resnet_block_type,
         branch=["conv1", "bn1", "conv2", "bn2"],
         outputs=["bn2"],
         skip=_SkippedBasicBlock,
         neurons=_resnet_neurons,
     ),
     "swin": FamilyRule(
-        _swin_block_type,
         branch=["norm1", "attn", "norm2", "mlp"],
         outputs=["attn.proj", "mlp.fc2"],
         skip=lambda _: nn.Identity(),
         neurons=_swin_neurons,
     ),
 }
-
-
-def blocks(model: nn.Module, *, family: str) -> list[tuple[str, nn.Module]]:
-    """The family's blocks (decoder layers, BasicBlocks, Swin blocks) present in `model`, by path;
-    a block that forward masking dropped is a skip module and is not listed."""
-    block_type = RULES[family].block_type()
-    return [(path, m) for path, m in model.named_modules() if isinstance(m, block_type)]
 
 
 def unit_spec(model: nn.Module, *, family: str, granularity: str) -> UnitSpec:

@@ -47,7 +47,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from sdp import dist as sdp_dist
-from sdp.metrics.memory import local
+from sdp.dist import local
+from sdp.models import blocks
 from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
 from sdp.subnet.apply import named_tensors
@@ -55,7 +56,6 @@ from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, sdp_dimension_set
 from sdp.subnet.resample import HOST, place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
-from sdp.subnet.units import blocks
 
 
 class ShardedSDPStrategy(SDPStrategy):

@@ -1,0 +1,102 @@
+"""The model under its strategy: DDP, FSDP or SDP (plain, or x FSDP), with activation
+checkpointing, compilation and mixed precision applied from outside it. The entrypoint, the
+memory estimator and the GPU checks build through here, so what they measure is what runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sdp import dist
+from sdp.baselines import BASELINES, apply_unit_noise
+from sdp.config import RunConfig
+from sdp.metrics.comm import CommCounter
+from sdp.models import build_model, computes_loss
+from sdp.parallel import DDPStrategy, Strategy, move_to
+from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.parallel.compile import apply_compile, needs_graph_breaks
+from sdp.parallel.fsdp import FSDPStrategy
+from sdp.subnet import is_sdp
+from sdp.subnet.sharded import ShardedSDPStrategy
+from sdp.subnet.strategy import SDPStrategy
+
+
+def build_strategy(
+    cfg: RunConfig,
+    *,
+    world: dist.World,
+    device: torch.device,
+    comm: CommCounter,
+    build: Callable[[Any], torch.nn.Module] = build_model,
+    mask_epoch: int = 0,
+) -> Strategy:
+    """The full model, initialised alike on every rank, under DDP, FSDP or SDP, with activation
+    checkpointing and mixed precision applied from outside it.
+
+    `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors);
+    `mask_epoch` is the SDP mask epoch to start in (a resumed run's).
+    """
+    strategy = _wrapped(cfg, world=world, device=device, comm=comm, build=build, mask_epoch=mask_epoch)
+    strategy.loss_in_model = computes_loss(cfg.model)
+    strategy.compiled = compiled_on(cfg.parallelism, device)
+    return strategy
+
+
+def compiled_on(par, device: torch.device) -> bool:
+    """parallelism.compile, its default resolved: on CUDA, not on CPU."""
+    return par.compile if par.compile is not None else device.type == "cuda"
+
+
+def _wrapped(
+    cfg: RunConfig,
+    *,
+    world: dist.World,
+    device: torch.device,
+    comm: CommCounter,
+    build: Callable[[Any], torch.nn.Module],
+    mask_epoch: int,
+) -> Strategy:
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    par = cfg.parallelism
+
+    compiled = compiled_on(par, device)
+
+    def checkpointing(model: torch.nn.Module) -> None:
+        """Activation checkpointing, then compilation, per block (before FSDP wraps them)."""
+        apply_activation_checkpointing(model, family=cfg.model.family, mode=par.activation_checkpointing)
+        if compiled:
+            fullgraph = not needs_graph_breaks(model, family=cfg.model.family)
+            apply_compile(model, family=cfg.model.family, fullgraph=fullgraph)
+
+    if not is_sdp(cfg.masking.name):
+        model = move_to(build(cfg.model), device)
+        if cfg.masking.name in BASELINES:  # DDP / FSDP with SDP's units dropped at random
+            apply_unit_noise(model, family=cfg.model.family, kind=cfg.masking.name, keep=cfg.masking.coverage)
+        checkpointing(model)
+        if par.name == "fsdp":
+            return FSDPStrategy(model, par, family=cfg.model.family, device=device, comm=comm)
+        return DDPStrategy(model, par, device=device, comm=comm)
+
+    def make_plain() -> torch.nn.Module:
+        with torch.device(device):
+            return build(cfg.model)
+
+    common = dict(
+        family=cfg.model.family,
+        rank=world.rank,
+        world_size=world.world_size,
+        device=device,
+        comm=comm,
+        bucket_cap_mb=par.bucket_cap_mb,
+        make_plain=make_plain,
+        prepare=checkpointing,
+        epoch=mask_epoch,
+        overlap=par.overlap_comm,
+        compiled=compiled,
+    )
+    if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
+        return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
+    autocast = torch.bfloat16 if par.mixed_precision == "bf16" else None
+    return SDPStrategy(build(cfg.model), cfg.masking, autocast_dtype=autocast, **common)

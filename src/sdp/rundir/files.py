@@ -1,0 +1,90 @@
+"""The run dir's file names, atomic JSON writes, the run dir's choice and torchrun's launch record."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from sdp import dist
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+MODEL = "model.pt"
+LAUNCH = "launch.json"
+CHECKPOINTS = "checkpoints"
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write JSON through a temporary file, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def nonfinite_record(run_dir: Path, step: int) -> Path:
+    """Where the diagnosis of a NaN/Inf step is written."""
+    return run_dir / f"nonfinite_step_{step}.json"
+
+
+def choose_run_dir(*, run_dir: str | None, output_root: str, name: str) -> Path:
+    """The run dir: `run_dir` when given, else a new OUTPUT_ROOT/<time>-<name>. Decided by rank 0
+    only (a timestamp differs between processes) and broadcast."""
+    if run_dir:
+        return Path(run_dir)
+    base = Path(output_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    candidate, n = base, 0
+    while candidate.exists():  # two runs started in the same second
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl records of steps after `step` (a resumed run writes them again)."""
+    path = run_dir / METRICS
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------- torchrun restarts (launch.json)
+
+
+def record_launch(run_dir: Path) -> None:
+    """Note the torchrun job that made `run_dir`, so a restart of it without run_dir finds it."""
+    if dist.elastic_run_id():
+        write_json_atomic(run_dir / LAUNCH, {"torchelastic_run_id": dist.elastic_run_id()})
+
+
+def _restart_of() -> str | None:
+    """The torchrun job's rendezvous id when this launch is one of its restarts, else None."""
+    run_id = dist.elastic_run_id()
+    return run_id if run_id and dist.restart_count() > 0 else None
+
+
+def _launched_by(run_dir: Path) -> str | None:
+    """The rendezvous id of the torchrun job that made `run_dir` (its launch.json), if any."""
+    try:
+        return json.loads((run_dir / LAUNCH).read_text()).get("torchelastic_run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def restarted_job(run_dir: Path) -> bool:
+    """Whether this launch is a torchrun restart of the job that created `run_dir`."""
+    run_id = _restart_of()
+    return run_id is not None and _launched_by(run_dir) == run_id
+
+
+def elastic_run_dir(output_root: str) -> str | None:
+    """On a torchrun restart: the run dir under output_root that this job's first attempt made."""
+    run_id, root = _restart_of(), Path(output_root)
+    if run_id is None or not root.is_dir():
+        return None
+    return next((str(d) for d in sorted(root.iterdir(), reverse=True) if _launched_by(d) == run_id), None)

@@ -1,0 +1,134 @@
+"""summary.json: the typed record every writer fills and every reader (a resume, a sweep, the
+comparison table, `sdp.collect`, the GPU checks) reads.
+
+A run writes it when it starts (status `running`) and when it ends, however it ends; the
+contract of its keys is the `Summary` fields. Strategy-specific entries (`Strategy.describe()`:
+SDP's mask statistics, granularity, FSDP degree...) sit beside them in the file and in
+`Summary.strategy` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sdp.redact import redact
+from sdp.rundir.files import SUMMARY, write_json_atomic
+
+# running: started; completed; stopped: stopped early with a checkpoint (stop_at_step, a
+# signal), resumable; failed; interrupted: Ctrl-C.
+STATUSES = ("running", "completed", "stopped", "failed", "interrupted")
+
+
+@dataclass
+class Summary:
+    """What one run did and measured. Memory and communication figures are the busiest rank's
+    (max over ranks); throughput is the global batch's, and per rank."""
+
+    # What ran.
+    status: str
+    model: str
+    dataset: str
+    world_size: int
+    coverage: float
+    masking: str
+    parallelism: str
+    activation_checkpointing: str
+    mixed_precision: str
+    protocol: str
+    device: str
+    seed: int
+    run_dir: str | None = None
+    error: str | None = None  # a failed run's "ExceptionType: message"
+    n_params: int | None = None
+    throughput_unit: str | None = None  # tokens/s | samples/s
+    strategy: dict = field(default_factory=dict)  # Strategy.describe()
+    # How far it got, and the loss (the last log window's mean over every rank).
+    steps: int | None = None
+    stopped_at: int | None = None
+    resumed_from: int | None = None
+    train_loss: float | None = None
+    eval_loss: float | None = None
+    eval_acc: float | None = None  # image models
+    eval_token_acc: float | None = None  # language models: next-token accuracy
+    nonfinite_skipped_steps: list[int] = field(default_factory=list)
+    checkpoint_failures: int = 0
+    checkpoints_written: int = 0
+    checkpoint_time_s: float = 0.0  # this launch's checkpoints, outside the step times
+    # Speed (timed steps only).
+    tokens_or_samples_per_s: float | None = None
+    tokens_or_samples_per_s_per_rank: float | None = None
+    step_time_s: float | None = None
+    step_time_split_s: dict = field(default_factory=dict)
+    flops_per_step_per_rank: int | None = None
+    mfu: float | None = None
+    mfu_peak: dict | None = None
+    mfu_flops: str | None = None
+    mfu_flops_per_step: int | None = None
+    # Memory: params_bytes, grads_bytes, optim_bytes, peak_bytes, peak_breakdown, cuda_*.
+    memory: dict = field(default_factory=dict)
+    memory_per_rank: list[dict] = field(default_factory=list)
+    # Communication.
+    comm_bytes_per_step: float | None = None
+    comm_groups_per_rank: int | None = None
+    comm_bytes_per_step_by_kind: dict = field(default_factory=dict)
+    exposed_comm_s: float | None = None
+    comm_wait_s: float | None = None
+
+    def update(self, entries: dict) -> None:
+        """Set fields from `entries` (a component's part of the summary); keys that are not
+        fields go to `strategy`."""
+        names = _field_names()
+        for key, value in entries.items():
+            if key in names and key != "strategy":
+                setattr(self, key, value)
+            else:
+                self.strategy[key] = value
+
+    def to_json(self) -> dict:
+        """The summary.json object: the fields, with `strategy`'s entries beside them."""
+        out = dataclasses.asdict(self)
+        out.update(out.pop("strategy"))
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Summary:
+        """The record of a summary.json object; raises TypeError when a required key is missing."""
+        names = _field_names()
+        known = {k: v for k, v in obj.items() if k in names and k != "strategy"}
+        return cls(**known, strategy={k: v for k, v in obj.items() if k not in names})
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters + gradients + optimizer state on the busiest rank."""
+        return sum(self.memory[k] for k in ("params_bytes", "grads_bytes", "optim_bytes"))
+
+
+def _field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(Summary)}
+
+
+def write_summary(run_dir: Path, summary: Summary) -> None:
+    """Write RUN_DIR/summary.json atomically, secrets redacted (a failed run's `error` may quote one)."""
+    write_json_atomic(run_dir / SUMMARY, redact(summary.to_json()))
+
+
+def read_summary(run_dir: Path) -> Summary | None:
+    """The run's summary, or None when it has none or it cannot be read (half a file cannot
+    occur: it is written atomically; a damaged or foreign one reads as None)."""
+    try:
+        return Summary.from_json(json.loads((run_dir / SUMMARY).read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def run_status(run_dir: Path) -> str | None:
+    """The run's status (None: no readable summary). Read on its own, so a summary that lacks
+    other fields (written by hand, or by an older version) still marks a completed run as one."""
+    try:
+        status = json.loads((run_dir / SUMMARY).read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None

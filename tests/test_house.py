@@ -1,0 +1,155 @@
+"""The package's shape: imports that run one way, and functions short enough to read.
+
+Read from the source with `ast`, so an import inside a function counts like any other: one
+placed there to dodge a cycle is still a cycle here.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parents[1] / "src" / "sdp"
+
+# models <- parallel <- subnet <- trainer <- entrypoints: a layer imports only from the layers
+# before it (and from the shared modules below every layer: errors, dist, metrics, data...).
+LAYERS = [
+    ("sdp.models",),
+    ("sdp.parallel",),
+    ("sdp.subnet", "sdp.baselines"),
+    ("sdp.trainer", "sdp.meter", "sdp.nonfinite", "sdp.checkpoint", "sdp.rundir", "sdp.config", "sdp.build"),
+    ("sdp.runner",),
+    ("sdp.train", "sdp.sweep", "sdp.estimate", "sdp.collect", "sdp.compare"),
+]
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports, anywhere in its source. A module importing the
+    package it belongs to (its `__init__`, for names defined there) is not an edge."""
+    edges = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    found.add(target)
+        edges[name] = found
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                component.append(w)
+            on.discard(v)
+            if component:
+                out.append(sorted([v, *component]))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def folders(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph with every subpackage (sdp.subnet.*, sdp.models.*...) collapsed to itself."""
+
+    def top(m: str) -> str:
+        parts = m.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and (SRC / parts[1]).is_dir() else m
+
+    out: dict[str, set[str]] = {}
+    for a, bs in edges.items():
+        out.setdefault(top(a), set()).update(top(b) for b in bs if top(b) != top(a))
+    return out
+
+
+def layer_of(module: str) -> int | None:
+    for i, layer in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in layer):
+            return i
+    return None
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph(modules())) == []
+
+
+def test_no_folder_imports_itself_through_others():
+    assert cycles(folders(import_graph(modules()))) == []
+
+
+def test_imports_run_from_models_to_the_entrypoints():
+    upward = []
+    for module, targets in import_graph(modules()).items():
+        mine = layer_of(module)
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is not None and (mine is None or theirs > mine):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_the_checks_find_what_they_look_for():
+    """The checks above on graphs with a cycle and an upward import in them."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert folders({"sdp.subnet.x": {"sdp.parallel.y"}, "sdp.parallel.y": {"sdp.subnet.z"}}) == {
+        "sdp.subnet": {"sdp.parallel"},
+        "sdp.parallel": {"sdp.subnet"},
+    }
+    assert layer_of("sdp.models.llama") == 0 and layer_of("sdp.subnet.sharded") == 2 and layer_of("sdp.dist") is None
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("from sdp.subnet.units import x", {"sdp.subnet.units"}),
+    ("def f():\n    from sdp.train import main", {"sdp.train"}),
+    ("from . import units", {"sdp.subnet.units"}),
+])  # fmt: skip
+def test_imports_inside_functions_and_relative_ones_count(tmp_path, monkeypatch, source, expected):
+    mods = {
+        "sdp.subnet.mask": tmp_path / "mask.py",
+        "sdp.subnet.units": tmp_path / "u.py",
+        "sdp.train": tmp_path / "t.py",
+    }
+    for path in mods.values():
+        path.write_text("")
+    mods["sdp.subnet.mask"].write_text(source)
+    assert import_graph(mods)["sdp.subnet.mask"] == expected
