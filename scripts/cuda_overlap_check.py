@@ -33,10 +33,11 @@ from sdp.build import build_strategy
 from sdp.compare import torchrun_command
 from sdp.config import load_config
 from sdp.estimate import dummy_batch
+from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
 from sdp.rundir import MODEL, read_summary
-from sdp.trainer import PhaseTimer, micro_batch_size, train_step
+from sdp.trainer import micro_batch_size, train_step
 
 VARIANTS = {
     "N-SDP backward": ["masking=backward", "masking.granularity=neuron"],

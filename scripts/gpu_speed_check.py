@@ -43,10 +43,12 @@ from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.data.prefetch import to_device
 from sdp.estimate import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
+from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.nonfinite import NonFiniteGuard, skips_on_device
 from sdp.optim import build_optimizer
-from sdp.trainer import PhaseTimer, _mfu, micro_batch_size, train_step
+from sdp.rundir.figures import mfu_entries
+from sdp.trainer import micro_batch_size, train_step
 
 GIB = 2**30
 BASE = ["dataset=fineweb", "dataset.seq_len=1024", "trainer.global_batch_size=64", "parallelism.mixed_precision=bf16"]
@@ -108,7 +110,7 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
         step_s = (time.perf_counter() - start) / steps
         phases = {k: v / steps for k, v in timer.read().items()}
         tokens = micro * cfg.dataset.seq_len
-        mfu = _mfu(
+        mfu = mfu_entries(
             strategy,
             device=device,
             precision="bf16",

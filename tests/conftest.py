@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sdp.compare import torchrun_command
+from sdp.rundir import read_summary
 
 # The tiny model of each family and a dataset of its kind, shared by the SDP tests.
 TINY_MODELS = {
@@ -56,6 +57,8 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     """summary.json and the records of metrics.jsonl of a finished run."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # What the run wrote is exactly the typed record (sdp.rundir.Summary), field for field.
+    assert read_summary(run_dir).to_json() == summary
     return summary, records
 
 
@@ -71,7 +74,8 @@ def run_harness(scenario: str, nproc: int, out: Path) -> dict:
     """Run one scenario of tests/dist_harness.py under torchrun; returns what rank 0 wrote to `out`."""
     here = Path(__file__).parent
     cmd = torchrun_command(nproc, str(here / "dist_harness.py"), scenario, str(out))
-    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(here)), capture_output=True, text=True, timeout=900)
+    path = os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)  # keep the caller's
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=path), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -19,6 +19,7 @@ from conftest import TINY_MODELS, tiny_model_cfg
 from torch.nn.parallel import DistributedDataParallel
 
 from sdp.dist import local
+from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import OptimConfig, build_optimizer
@@ -29,7 +30,7 @@ from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import PhaseTimer, TrainerConfig, forward_loss, train_step
+from sdp.trainer import TrainerConfig, forward_loss, train_step
 
 CPU = torch.device("cpu")
 

@@ -13,6 +13,7 @@ from sdp import dist
 from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.estimate import dummy_batch, skip_ddp_shape_check
+from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
@@ -20,7 +21,7 @@ from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.subnet import MaskingConfig
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import PhaseTimer, forward_loss, micro_batch_size, train_step
+from sdp.trainer import forward_loss, micro_batch_size, train_step
 
 CPU = torch.device("cpu")
 

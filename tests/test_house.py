@@ -153,3 +153,31 @@ def test_imports_inside_functions_and_relative_ones_count(tmp_path, monkeypatch,
         path.write_text("")
     mods["sdp.subnet.mask"].write_text(source)
     assert import_graph(mods)["sdp.subnet.mask"] == expected
+
+
+LONGEST = 80
+
+
+def long_functions(mods: dict[str, Path]) -> list[str]:
+    """Functions longer than LONGEST lines (signature and docstring included) whose docstring
+    does not say why they are."""
+    out = []
+    for path in mods.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST and "longer than" not in (ast.get_docstring(node) or "").lower():
+                    out.append(f"{path.name}:{node.name} ({lines} lines)")
+    return out
+
+
+def test_no_function_is_longer_than_a_screen_or_two():
+    assert long_functions(modules()) == []
+
+
+def test_a_long_function_is_found(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONGEST))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n\ndef short():\n    pass\n")
+    assert long_functions({"sdp.long": tmp_path / "long.py"}) == ["long.py:long (81 lines)"]
+    (tmp_path / "long.py").write_text(f'def long():\n    """Longer than a screen: a table."""\n{body}')
+    assert long_functions({"sdp.long": tmp_path / "long.py"}) == []

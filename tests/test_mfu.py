@@ -12,10 +12,12 @@ from sdp import dist
 from sdp.build import build_strategy
 from sdp.config import load_config
 from sdp.estimate import dummy_batch, skip_ddp_shape_check
+from sdp.meter import PhaseTimer, count_flops
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import attention_heads, model_flops_per_token
 from sdp.optim import build_optimizer
-from sdp.trainer import PhaseTimer, _mfu, count_flops, micro_batch_size, train_step
+from sdp.rundir.figures import mfu_entries
+from sdp.trainer import micro_batch_size, train_step
 
 CPU = torch.device("cpu")
 BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS
@@ -44,7 +46,7 @@ def _one_rank(overrides: list[str], *, rank: int = 1, world_size: int = 2) -> tu
         run_step()
         _, counted = count_flops(run_step)
         tokens = micro * cfg.dataset.seq_len
-        entries = _mfu(
+        entries = mfu_entries(
             strategy, device=CPU, precision="fp32", flops=counted, step_time=1.0, tokens_per_rank=tokens, seq_len=32
         )
         heads, head_dim = attention_heads(strategy.model)

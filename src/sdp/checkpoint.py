@@ -32,6 +32,8 @@ import os
 import random
 import re
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,36 +287,16 @@ def save_checkpoint(
     entries: dict[str, dict] = {}
     if error is None:
         try:
-            if world.is_main or not strategy.replicated_state:
-                diverged = [n for n, t in strategy.model.state_dict().items() if not _finite(t)]
-                if diverged:
-                    raise ValueError(f"{diverged[0]} is not finite: a diverged state is not saved")
-                state = {
-                    "step": step,
-                    "model": _to_local(strategy.model.state_dict()),
-                    "optimizer": _to_local(optimizer.state_dict()),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state(device),
-                    "measured": measured,
-                }
-            else:  # replicated state, but not replicated RNG streams or measurements
-                state = {"rng": _rng_state(device), "measured": measured}
+            state = _rank_state(step, strategy, optimizer, scheduler, world=world, device=device, measured=measured)
             entries[_file(tmp, world.rank).name] = _write(state, _file(tmp, world.rank))
         except Exception as err:  # noqa: BLE001 - reported to every rank below, then training goes on
             error = f"rank {world.rank}: {_describe(err)}"
     parts = dist.gather_objects((entries, error))
     errors = [e for _, e in parts if e]
     if world.is_main and not errors:
-        try:
-            files = {name: entry for part, _ in parts for name, entry in part.items()}
-            meta = {"step": step, "world_size": world.world_size, "config": config, "files": files}
-            write_json_atomic(tmp / "meta.json", {**meta, **(extra_meta or {})})
-            _fsync_dir(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            _fsync_dir(final.parent)
-        except OSError as err:
-            errors.append(f"rank 0: {_describe(err)}")
+        files = {name: entry for part, _ in parts for name, entry in part.items()}
+        meta = {"step": step, "world_size": world.world_size, "config": config, "files": files, **(extra_meta or {})}
+        errors += _commit(tmp, final, meta)
     errors = dist.broadcast_object(errors)
     if errors:
         if world.is_main:
@@ -333,6 +315,72 @@ def save_checkpoint(
             shutil.rmtree(old.path, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _rank_state(step: int, strategy, optimizer, scheduler, *, world: dist.World, device, measured) -> dict:
+    """What this rank saves: everything it holds, or under replicated state (DDP) on ranks
+    other than 0 only what is its own (RNG streams, measurements)."""
+    if not (world.is_main or not strategy.replicated_state):
+        return {"rng": _rng_state(device), "measured": measured}
+    diverged = [n for n, t in strategy.model.state_dict().items() if not _finite(t)]
+    if diverged:
+        raise ValueError(f"{diverged[0]} is not finite: a diverged state is not saved")
+    return {
+        "step": step,
+        "model": _to_local(strategy.model.state_dict()),
+        "optimizer": _to_local(optimizer.state_dict()),
+        "scheduler": scheduler.state_dict(),
+        "rng": _rng_state(device),
+        "measured": measured,
+    }
+
+
+def _commit(tmp: Path, final: Path, meta: dict) -> list[str]:
+    """Rank 0, once every rank's file is written: meta.json, then the rename that makes the
+    checkpoint complete; returns what went wrong ([] when it is complete)."""
+    try:
+        write_json_atomic(tmp / "meta.json", meta)
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        _fsync_dir(final.parent)
+    except OSError as err:
+        return [f"rank 0: {_describe(err)}"]
+    return []
+
+
+class Checkpointer:
+    """The loop's checkpoints: due every `every` steps before the last (0: never) and before an
+    early stop; it writes them through `save(step=, measured=)` (collective, None when a rank
+    could not write its part) and counts what they cost: checkpoints written, failures, wall
+    time (outside the step times). `last` is the step of the newest one this run can fall
+    back to (a resumed run's start)."""
+
+    def __init__(self, save: Callable[[int, dict], Path | None] | None, *, every: int, max_steps: int, start_step: int):
+        self._save, self.every, self.max_steps = save, every, max_steps
+        self.last = start_step or None
+        self.written_ok = True  # whether the last attempt was written
+        self.written, self.failures, self.seconds = 0, 0, 0.0
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < self.max_steps
+
+    def save(self, step: int, measured: dict) -> None:
+        if self._save is None:
+            return
+        start = time.perf_counter()
+        self.written_ok = self._save(step=step, measured=measured) is not None
+        self.seconds += time.perf_counter() - start
+        self.written += self.written_ok
+        self.failures += not self.written_ok
+        self.last = step if self.written_ok else self.last
+
+    def figures(self) -> dict:
+        return {
+            "checkpoint_failures": self.failures,
+            "checkpoints_written": self.written,
+            "checkpoint_time_s": self.seconds,
+        }
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ from sdp.build import build_strategy
 from sdp.cluster import Cluster, format_step_times, load_cluster, place, step_times
 from sdp.config import RunConfig, load_config
 from sdp.errors import ConfigError
+from sdp.meter import PhaseTimer, measure_peak
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
@@ -60,7 +61,7 @@ from sdp.optim import build_optimizer
 from sdp.parallel import sdp_workers
 from sdp.subnet import is_sdp
 from sdp.subnet.strategy import plan_mask, planned_comm_groups
-from sdp.trainer import PhaseTimer, measure_peak, micro_batch_size, train_step
+from sdp.trainer import micro_batch_size, train_step
 
 GIB = 2**30
 RANK_CHOICES = ("busiest", "all")

@@ -201,6 +201,62 @@ def handle_nonfinite(
         )
     else:
         then = "no checkpoint was written yet: start again with a lower optim.lr or trainer.on_nonfinite=skip"
+    diagnostic = nonfinite_record(Path(), step).name
     raise Diverged(
-        f"step {step}: {why}{bad}; the update was not applied{later} (diagnostic: nonfinite_step_{step}.json); {then}"
+        f"step {step}: {why}{bad}; the update was not applied{later} (diagnostic: {diagnostic}); {then}"
     ) from None
+
+
+class NonFinitePolicy:
+    """trainer.on_nonfinite for one run: the device-side guard when the optimizer can skip on
+    the device (else the host check in `train_step`), the steps skipped so far, and what a
+    non-finite step does (skip it, or stop the run: `handle_nonfinite`)."""
+
+    def __init__(
+        self,
+        policy: str,
+        *,
+        max_skips: int,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        start_step: int,
+        world: dist.World,
+        logger: RunLogger,
+        run_dir: Path | None,
+    ):
+        self.policy, self.max_skips, self.device = policy, max_skips, device
+        self.world, self.logger, self.run_dir = world, logger, run_dir
+        self.skipped: list[int] = []
+        self.guard = None
+        if policy != "off" and skips_on_device(optimizer):
+            self.guard = NonFiniteGuard(policy, max_skips=max_skips, device=device, first_step=start_step + 1)
+
+    def applied(self) -> torch.Tensor:
+        """1 when the last step's update was applied, 0 when it was skipped (on the device)."""
+        return torch.ones((), device=self.device) if self.guard is None else 1 - self.guard.last_skip
+
+    def raised(self, bad: NonFiniteStep, *, step: int, last_checkpoint: int | None) -> None:
+        """A step the host check found bad (before its update)."""
+        self._handle(bad, step=step, found_at=step, last_checkpoint=last_checkpoint)
+
+    def report(self, *, found_at: int, last_checkpoint: int | None) -> None:
+        """Collective, where the host syncs anyway: the bad steps the device guard found since the last report."""
+        for step, bad in self.guard.report() if self.guard is not None else []:
+            self._handle(bad, step=step, found_at=found_at, last_checkpoint=last_checkpoint)
+
+    def _handle(self, bad: NonFiniteStep, *, step: int, found_at: int, last_checkpoint: int | None) -> None:
+        handle_nonfinite(
+            bad,
+            step=step,
+            found_at=found_at,
+            policy=self.policy,
+            max_skips=self.max_skips,
+            skipped=self.skipped,
+            world=self.world,
+            logger=self.logger,
+            run_dir=self.run_dir,
+            last_checkpoint=last_checkpoint,
+        )
+
+    def figures(self) -> dict:
+        return {"nonfinite_skipped_steps": self.skipped}

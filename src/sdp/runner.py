@@ -4,9 +4,11 @@ the run ends. `sdp.train` (the entrypoint) and a sweep's Slurm tasks call `main`
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,17 +16,27 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist, rundir
 from sdp.build import build_strategy
-from sdp.checkpoint import Checkpoint, Resume, check_resume, choose_checkpoint, load_checkpoint, save_checkpoint
+from sdp.checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    Resume,
+    check_resume,
+    choose_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sdp.config import RunConfig, load_config
-from sdp.data import build_data, prepare_data
+from sdp.data import DataBundle, build_data, prepare_data
 from sdp.errors import ConfigError, RunFailed
+from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
+from sdp.nonfinite import NonFinitePolicy
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact, redact_text, redact_yaml
 from sdp.rundir import Summary
-from sdp.trainer import micro_batch_size, train
+from sdp.trainer import Evaluation, micro_batch_size, train
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -126,14 +138,57 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
     return ckpt
 
 
-def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> dict:
+def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> Summary:
     """Train one configured run on this rank, from the start or from the newest intact
-    checkpoint of `resume`; rank 0 writes the run dir."""
+    checkpoint of `resume`; rank 0 writes the run dir, and its summary.json however the run ends."""
     device = dist.select_device(cfg.trainer.device, world, share=cfg.parallelism.backend == "gloo")
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend, device=device)
-    logger = None
-    summary = Summary(
+    summary, logger = _new_summary(cfg, world=world, device=device), None
+    try:
+        ckpt = pick_checkpoint(resume, world=world)
+        start_step = ckpt.step if ckpt else 0
+        run_dir = _open_run_dir(cfg, raw, world=world, resumed=resume is not None, start_step=start_step)
+        summary.run_dir = str(run_dir)
+        logger = RunLogger(
+            cfg.logger,
+            run_dir=run_dir,
+            metrics=run_dir / rundir.METRICS,
+            run_name=run_name(cfg),
+            active=world.is_main,
+            config=OmegaConf.to_container(raw, resolve=True),
+            resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
+        )
+        built = _build(cfg, world=world, device=device, ckpt=ckpt)
+        summary.n_params = built.strategy.full_params
+        summary.throughput_unit = "tokens/s" if built.data.kind == "text" else "samples/s"
+        summary.strategy.update(built.strategy.describe())
+        dist.print0(
+            world,
+            f"run dir: {run_dir}  ({cfg.model.name}: {summary.n_params / 1e6:.2f}M params, "
+            f"{world.world_size} x {built.micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
+        )
+        _train(cfg, raw, built, summary, world=world, device=device, logger=logger, run_dir=run_dir, ckpt=ckpt)
+        summary.status = "stopped" if summary.stopped_at else "completed"
+        return summary
+    except KeyboardInterrupt:
+        summary.status = "interrupted"
+        raise
+    except Exception as err:
+        summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        if logger is not None:
+            if world.is_main:
+                rundir.write_summary(Path(summary.run_dir), summary)
+            logger.summary(summary.to_json())
+            logger.close(exit_code=0 if summary.status == "completed" else 1)
+        dist.destroy_process_group()
+
+
+def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> Summary:
+    """The summary of a run that has just started: what runs."""
+    return Summary(
         status="running",
         model=cfg.model.name,
         dataset=cfg.dataset.name,
@@ -147,125 +202,148 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         device=device.type,
         seed=cfg.seed,
     )
-    run_dir = None
-    try:
-        ckpt = pick_checkpoint(resume, world=world)
-        start_step = ckpt.step if ckpt else 0
-        every = cfg.masking.resample_every
-        # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
-        mask_epoch = start_step // every if every else 0
-        chosen = rundir.choose_run_dir(run_dir=cfg.run_dir, output_root=cfg.output_root, name=run_name(cfg))
-        run_dir = Path(dist.broadcast_object(str(chosen) if world.is_main else None))
-        summary.run_dir = str(run_dir)
-        if world.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / rundir.CONFIG).write_text(redact_yaml(raw))
-            rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
-            if resume is not None:  # records of steps after the checkpoint are written again
-                rundir.truncate_metrics(run_dir, start_step)
-        logger = RunLogger(
-            cfg.logger,
+
+
+def _open_run_dir(cfg: RunConfig, raw: DictConfig, *, world: dist.World, resumed: bool, start_step: int) -> Path:
+    """Collective: the run dir, chosen by rank 0 and made there with config.yaml and the launch
+    record; a resumed run's metrics after its checkpoint are dropped (written again)."""
+    chosen = rundir.choose_run_dir(run_dir=cfg.run_dir, output_root=cfg.output_root, name=run_name(cfg))
+    run_dir = Path(dist.broadcast_object(str(chosen) if world.is_main else None))
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / rundir.CONFIG).write_text(redact_yaml(raw))
+        rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
+        if resumed:
+            rundir.truncate_metrics(run_dir, start_step)
+    return run_dir
+
+
+@dataclass
+class Built:
+    """A run's data, its model under its strategy, the optimizer and the lr schedule, restored
+    from the checkpoint when resuming (`measured`: what the launch before had measured)."""
+
+    data: DataBundle
+    micro: int
+    comm: CommCounter
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    measured: dict | None
+
+
+def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Checkpoint | None) -> Built:
+    """Collective: the data (rank 0 prepares it first), the model, optimizer and schedule."""
+    start_step = ckpt.step if ckpt else 0
+    if world.is_main:
+        prepare_data(cfg.dataset)
+    dist.barrier()
+    micro = micro_batch_size(cfg.trainer, world_size=world.world_size)
+    data = build_data(
+        cfg.dataset,
+        rank=world.rank,
+        world_size=world.world_size,
+        batch_size=micro,
+        eval_batch_size=cfg.trainer.eval_batch_size or micro,
+        seed=cfg.seed,
+        start_batch=start_step * cfg.trainer.grad_accum_steps,
+    )
+    comm = CommCounter(device)
+    every = cfg.masking.resample_every
+    # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
+    mask_epoch = start_step // every if every else 0
+    strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
+    # Initial weights were drawn alike on every rank; from here on each rank draws its own
+    # dropout, drop-path and baseline masks.
+    torch.manual_seed(cfg.seed + world.rank)
+    optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
+    measured = None
+    if ckpt:
+        measured = load_checkpoint(
+            ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
+        )
+        dist.print0(world, f"resumed from {ckpt.path} (step {start_step})")
+    return Built(data, micro, comm, strategy, optimizer, scheduler, measured)
+
+
+def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt) -> None:
+    """The training loop with its components (meter, NaN/Inf policy, checkpointer, evaluation),
+    then the end-of-run figures, into `summary`."""
+    start_step, tcfg = ckpt.step if ckpt else 0, cfg.trainer
+    strategy, optimizer, scheduler = built.strategy, built.optimizer, built.scheduler
+    evals_done = start_step // tcfg.eval_every if tcfg.eval_every else 0
+    calibration = calibration_stream(
+        cfg,
+        strategy,
+        world=world,
+        batch_size=built.micro,
+        start_batch=evals_done * cfg.masking.bn_recalibration_batches,
+    )
+    save = functools.partial(
+        save_checkpoint,
+        run_dir,
+        strategy=strategy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        world=world,
+        device=device,
+        config=resume_config(raw),
+        keep=tcfg.keep_checkpoints,
+        extra_meta={"wandb_id": logger.wandb_id},
+    )
+    seq_len = cfg.dataset.seq_len if built.data.kind == "text" else 1
+    meter = Meter(
+        strategy,
+        optimizer,
+        device=device,
+        comm=built.comm,
+        profile_step=tcfg.profile_step,
+        max_steps=tcfg.max_steps,
+        start_step=start_step,
+        units_per_step=tcfg.global_batch_size * seq_len,
+        measured=built.measured,
+    )
+    loop = train(
+        strategy=strategy,
+        data=built.data,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        cfg=tcfg,
+        world=world,
+        logger=logger,
+        meter=meter,
+        nonfinite=NonFinitePolicy(
+            tcfg.on_nonfinite,
+            max_skips=tcfg.max_nonfinite_skips,
+            optimizer=optimizer,
+            device=device,
+            start_step=start_step,
+            world=world,
+            logger=logger,
             run_dir=run_dir,
-            metrics=run_dir / rundir.METRICS,
-            run_name=run_name(cfg),
-            active=world.is_main,
-            config=OmegaConf.to_container(raw, resolve=True),
-            resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
-        )
-        if world.is_main:
-            prepare_data(cfg.dataset)
-        dist.barrier()
-
-        micro = micro_batch_size(cfg.trainer, world_size=world.world_size)
-        data = build_data(
-            cfg.dataset,
-            rank=world.rank,
-            world_size=world.world_size,
-            batch_size=micro,
-            eval_batch_size=cfg.trainer.eval_batch_size or micro,
-            seed=cfg.seed,
-            start_batch=start_step * cfg.trainer.grad_accum_steps,
-        )
-        comm = CommCounter(device)
-        strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
-        # Initial weights were drawn alike on every rank; from here on each rank draws its own
-        # dropout, drop-path and baseline masks.
-        torch.manual_seed(cfg.seed + world.rank)
-        summary.n_params = strategy.full_params
-        summary.strategy.update(strategy.describe())
-        optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
-        scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
-        measured = None
-        if ckpt:
-            measured = load_checkpoint(
-                ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
-            )
-            dist.print0(world, f"resumed from {ckpt.path} (step {start_step})")
-        summary.throughput_unit = "tokens/s" if data.kind == "text" else "samples/s"
-        evals_done = start_step // cfg.trainer.eval_every if cfg.trainer.eval_every else 0
-        calibration = calibration_stream(
-            cfg, strategy, world=world, batch_size=micro, start_batch=evals_done * cfg.masking.bn_recalibration_batches
-        )
-        config = resume_config(raw)
-
-        def checkpoint(step: int, measured_so_far: dict) -> Path | None:
-            return save_checkpoint(
-                run_dir,
-                step=step,
-                strategy=strategy,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                world=world,
-                device=device,
-                config=config,
-                keep=cfg.trainer.keep_checkpoints,
-                measured=measured_so_far,
-                extra_meta={"wandb_id": logger.wandb_id},
-            )
-
-        dist.print0(
-            world,
-            f"run dir: {run_dir}  ({cfg.model.name}: {summary.n_params / 1e6:.2f}M params, "
-            f"{world.world_size} x {micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
-        )
-        summary.update(
-            train(
-                strategy=strategy,
-                data=data,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                cfg=cfg.trainer,
-                world=world,
-                device=device,
-                comm=comm,
-                logger=logger,
-                units_per_sample=cfg.dataset.seq_len if data.kind == "text" else 1,
-                calibration=calibration,
-                calibration_batches=cfg.masking.bn_recalibration_batches,
-                model_path=run_dir / rundir.MODEL,
-                run_dir=run_dir,
-                precision=cfg.parallelism.mixed_precision,
-                start_step=start_step,
-                measured=measured,
-                checkpoint=checkpoint,
-                stop_requested=StopSignals(device),
-            )
-        )
-        summary.status = "stopped" if summary.stopped_at else "completed"
-        return summary
-    except KeyboardInterrupt:
-        summary.status = "interrupted"
-        raise
-    except Exception as err:
-        summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
-        raise
-    finally:
-        if logger is not None:
-            if world.is_main:
-                rundir.write_summary(run_dir, summary)
-            logger.summary(summary.to_json())
-            logger.close(exit_code=0 if summary.status == "completed" else 1)
-        dist.destroy_process_group()
+        ),
+        checkpointer=Checkpointer(
+            save,
+            every=tcfg.checkpoint_every,
+            max_steps=tcfg.max_steps,
+            start_step=start_step,
+        ),
+        evaluation=Evaluation(
+            built.data,
+            device=device,
+            world=world,
+            calibration=calibration,
+            calibration_batches=cfg.masking.bn_recalibration_batches,
+            model_path=run_dir / rundir.MODEL if tcfg.save_model else None,
+        ),
+        start_step=start_step,
+        stop_requested=StopSignals(device),
+    )
+    summary.update(loop)
+    summary.update(
+        meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
+    )
 
 
 def main(overrides: list[str]) -> int:

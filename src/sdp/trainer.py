@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +14,13 @@ from torch import nn
 from tqdm import tqdm
 
 from sdp import dist
+from sdp.checkpoint import Checkpointer
 from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
 from sdp.errors import ConfigError
-from sdp.metrics.comm import CommCounter, exposed_comm
-from sdp.metrics.flops import attention_heads, flop_counter, model_flops_per_token, peak_entry
+from sdp.meter import Meter, PhaseTimer
 from sdp.metrics.logger import RunLogger
-from sdp.metrics.memory import LivePeak, cuda_peaks
-from sdp.nonfinite import POLICIES, NonFiniteGuard, NonFiniteStep, check_finite, handle_nonfinite, skips_on_device
+from sdp.nonfinite import POLICIES, NonFiniteGuard, NonFinitePolicy, NonFiniteStep, check_finite
 from sdp.parallel import Strategy
 
 PROTOCOLS = ("same_iteration", "flop_matched")
@@ -191,89 +188,6 @@ def evaluate(
     return result
 
 
-PHASES = ("data", "forward", "backward", "sync", "optimizer")
-
-
-class PhaseTimer:
-    """Time per phase of a step, without making the host wait for the device. On CUDA each
-    compute phase is timed by two CUDA events on the compute stream, read at `read()` (where
-    the host syncs anyway): the device's time from the phase's first kernel to its last, so
-    DDP's all-reduce, which overlaps the backward, counts there, and collectives still running
-    on NCCL's streams (SDP's overlapped averaging) count where the compute waits for them. The
-    data phase is the host's wait for a batch; on CPU every phase is wall time. Phases run
-    while `active` is false (profiled steps) are not counted."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.totals = dict.fromkeys(PHASES, 0.0)
-        self.active = True
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        if self.device.type == "cuda" and phase != "data":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            if self.active:
-                self._events.append((phase, start, end))
-            return
-        t0 = time.perf_counter()
-        yield
-        if self.active:
-            self.totals[phase] += time.perf_counter() - t0
-
-    def read(self) -> dict[str, float]:
-        """Seconds per phase so far (waits for the phases the device has still to finish)."""
-        for phase, start, end in self._events:
-            end.synchronize()
-            self.totals[phase] += start.elapsed_time(end) / 1000
-        self._events.clear()
-        return dict(self.totals)
-
-
-class StepClock:
-    """Wall time of the timed steps, counted in windows that end where the host waits for the
-    device anyway (log, eval and checkpoint steps, profiled steps): the steps in between
-    run without a host sync, the host queueing work ahead of the device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds, self.steps = 0.0, 0
-        self._since: float | None = None
-        self._pending = 0
-
-    def begin(self, *, timed: bool) -> None:
-        """Before a step: a timed one runs in the open window (one is opened if none is); an
-        untimed one outside any (the window is closed, after waiting for the device)."""
-        if not timed:
-            self.stop()
-        elif self._since is None:
-            self._since = time.perf_counter()
-
-    def end(self, *, timed: bool) -> None:
-        """After a step: a timed one is counted in its window; after an untimed one the device
-        is waited for, so that none of its work runs into the next window."""
-        if timed:
-            self._pending += 1
-        else:
-            self.stop()
-
-    def stop(self) -> None:
-        """Wait for the device, and close the open window."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self._since is not None:
-            self.seconds += time.perf_counter() - self._since
-            self.steps += self._pending
-        self._since, self._pending = None, 0
-
-    def step_time(self) -> float | None:
-        return self.seconds / self.steps if self.steps else None
-
-
 def train_step(
     strategy: Strategy,
     optimizer: torch.optim.Optimizer,
@@ -320,41 +234,29 @@ def train_step(
     return step_loss
 
 
-def count_flops(run_step) -> tuple[torch.Tensor, int]:
-    """Run `run_step()` under the FLOP counter; returns its loss and the FLOPs it ran.
+@dataclass
+class Evaluation:
+    """The loop's evaluations: loss (and accuracy) on the full model over every rank's eval
+    shard, after BatchNorm recalibration from `calibration` under forward masking; the final one
+    also writes that model to `model_path` (None: not saved)."""
 
-    Not in the same step as `measure_peak`: the counter's module tracking keeps the
-    tensors a checkpointed block recomputes alive, which would inflate the peak. Compiled
-    blocks run eagerly in it (dynamo cannot trace under a dispatch mode)."""
-    with torch.compiler.set_stance("force_eager"), flop_counter() as flops:
-        loss = run_step()
-    return loss, int(flops.get_total_flops())
+    data: DataBundle
+    device: torch.device
+    world: dist.World
+    calibration: Iterator[dict] | None = None
+    calibration_batches: int = 0
+    model_path: Path | None = None
 
-
-def measure_peak(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step) -> tuple[torch.Tensor, dict]:
-    """Run `run_step()` under the live-tensor tracker; returns its loss and the peak by kind.
-
-    Call it after at least one step, so the optimizer state and the last
-    gradients exist and are registered as live when the tracker starts. Compiled blocks run
-    eagerly in it (dynamo cannot trace under a dispatch mode): the peak of the eager step,
-    an upper bound of the compiled one's (whose CUDA peak is `cuda_max_allocated_bytes`).
-    """
-    with torch.compiler.set_stance("force_eager"), LivePeak(strategy.model, optimizer) as peak:
-        loss = run_step()
-    return loss, peak.breakdown()
-
-
-def profile_steps(cfg: TrainerConfig) -> tuple[int, int]:
-    """(the step whose FLOPs are counted, the step whose live peak is measured); 0: none.
-
-    Absolute step numbers: a resumed run profiles the same steps as an uninterrupted one
-    (the FLOP counter changes the kernels' rounding) and keeps the measurements that
-    the launch before it made."""
-    if not cfg.profile_step:
-        return 0, 0
-    peak_step = min(cfg.profile_step, cfg.max_steps)
-    flop_step = peak_step - 1 if peak_step > 1 else 2
-    return (flop_step if flop_step <= cfg.max_steps else 0), peak_step
+    def __call__(self, strategy: Strategy, *, final: bool) -> dict:
+        return evaluate(
+            strategy,
+            self.data,
+            device=self.device,
+            calibration=self.calibration,
+            calibration_batches=self.calibration_batches,
+            export=self.model_path if final else None,
+            write_export=self.world.is_main,
+        )
 
 
 def train(
@@ -365,317 +267,102 @@ def train(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     cfg: TrainerConfig,
     world: dist.World,
-    device: torch.device,
-    comm: CommCounter,
     logger: RunLogger,
-    units_per_sample: int,
-    calibration: Iterator[dict] | None = None,
-    calibration_batches: int = 0,
-    model_path: Path | None = None,
-    run_dir: Path | None = None,
-    precision: str = "fp32",
+    meter: Meter,
+    nonfinite: NonFinitePolicy,
+    checkpointer: Checkpointer,
+    evaluation: Evaluation,
     start_step: int = 0,
-    measured: dict | None = None,
-    checkpoint: Callable[[int, dict], None] | None = None,
     stop_requested: Callable[[], bool] | None = None,
 ) -> dict:
-    """Run optimizer steps start_step + 1 ... cfg.max_steps; returns the loop's part of `summary.json`.
+    """Run optimizer steps start_step + 1 ... cfg.max_steps; returns the loop's entries of
+    summary.json. Each component keeps its own timing: the meter what it measures, the NaN/Inf
+    policy its checks, the checkpointer its interval. A run stops early, with a checkpoint, at
+    cfg.stop_at_step or when `stop_requested()` (collective, read at log steps) says so."""
+    micro, device = micro_batch_size(cfg, world_size=world.world_size), meter.device
+    bar = progress_bar(cfg, world)
+    strategy.model.train()
+    batches = to_device(data.train, device)
 
-    `units_per_sample` is tokens per sequence for LMs and 1 for images, so the
-    throughput reads as tokens/s or samples/s. `checkpoint(step, measured)` (collective)
-    saves a resumable state, with this rank's measurements so far, every
-    cfg.checkpoint_every steps and before an early stop: at cfg.stop_at_step, or when
-    `stop_requested()` (collective, every rank agrees) says so. `measured` is what the
-    launch before a resume had measured on this rank.
-    """
-    micro = micro_batch_size(cfg, world_size=world.world_size)
-    units_per_step = cfg.global_batch_size * units_per_sample
-    # Redraw at most every 30 s when stderr is a log file rather than a terminal.
-    bar = tqdm(
+    def run_step() -> torch.Tensor:
+        return train_step(
+            strategy, optimizer, batches, cfg=cfg, micro=micro, device=device, timer=meter.timer, guard=nonfinite.guard
+        )
+
+    stopped_at, evals = None, {}
+    try:
+        bar.update(start_step)
+        for step in range(start_step + 1, cfg.max_steps + 1):
+            try:
+                meter.add_loss(meter.run(step, run_step), nonfinite.applied())
+            except NonFiniteStep as bad:  # raised on every rank before the update: the model is the last good one
+                nonfinite.raised(bad, step=step, last_checkpoint=checkpointer.last)
+                optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]  # the lr this step used
+            scheduler.step()
+            resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
+            if resampled:
+                strategy.model.train()
+            meter.end(step, resampled=resampled)
+            bar.update(1)
+            log_step = step % cfg.log_every == 0 or step == cfg.max_steps
+            eval_step = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+            stopping = step < cfg.max_steps and (
+                step == cfg.stop_at_step or (log_step and stop_requested is not None and stop_requested())
+            )
+            if not (log_step or eval_step or checkpointer.due(step) or stopping):
+                continue  # no host sync in this step
+            meter.sync()  # the host waits for the device here
+            nonfinite.report(found_at=step, last_checkpoint=checkpointer.last)
+            if log_step or stopping:
+                _log_train(meter.window(step, lr), logger=logger, bar=bar)
+            if eval_step:
+                evals = evaluation(strategy, final=step == cfg.max_steps)
+                _log_eval(step, evals, logger=logger, bar=bar, world=world)
+            if checkpointer.due(step) or stopping:
+                checkpointer.save(step, meter.measured())
+            if stopping:
+                stopped_at = step
+                _say_stopped(step, written=checkpointer.written_ok, bar=bar, world=world)
+                break
+    finally:  # the bar ends its line before anything else is printed
+        bar.close()
+    return {
+        "steps": stopped_at or cfg.max_steps,
+        "stopped_at": stopped_at,
+        "resumed_from": start_step or None,
+        "train_loss": meter.train_loss,
+        **evals,
+        **nonfinite.figures(),
+        **checkpointer.figures(),
+    }
+
+
+def progress_bar(cfg: TrainerConfig, world: dist.World) -> tqdm:
+    """The steps' progress bar on rank 0 (trainer.progress); it redraws at most every 30 s when
+    stderr is a log file rather than a terminal."""
+    return tqdm(
         total=cfg.max_steps,
         disable=not (cfg.progress and world.is_main),
         desc="train",
         dynamic_ncols=True,
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
-    strategy.model.train()
-    timer, clock = PhaseTimer(device), StepClock(device)
-    # The loss summed over this log window's applied steps, and their number, on the device.
-    window_loss, window_applied = torch.zeros((), device=device), torch.zeros((), device=device)
-    measured = measured or {}
-    memory, measure_memory, last = measured.get("memory", {}), True, {}
-    peak, flops = measured.get("peak"), measured.get("flops")
-    flop_step, peak_step = profile_steps(cfg)
-    stopped_at, checkpoint_failures, written, last_checkpoint = None, 0, True, start_step or None
-    checkpoints_written, checkpoint_time = 0, 0.0
-    evals: dict = {}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    guard = None
-    if cfg.on_nonfinite != "off" and skips_on_device(optimizer):
-        guard = NonFiniteGuard(
-            cfg.on_nonfinite, max_skips=cfg.max_nonfinite_skips, device=device, first_step=start_step + 1
-        )
-    batches = to_device(data.train, device)
-
-    def run_step() -> torch.Tensor:
-        return train_step(strategy, optimizer, batches, cfg=cfg, micro=micro, device=device, timer=timer, guard=guard)
-
-    skipped: list[int] = []
-
-    nonfinite = functools.partial(
-        handle_nonfinite,
-        policy=cfg.on_nonfinite,
-        max_skips=cfg.max_nonfinite_skips,
-        skipped=skipped,
-        world=world,
-        logger=logger,
-        run_dir=run_dir,
-    )
-
-    try:
-        bar.update(start_step)
-        for step in range(start_step + 1, cfg.max_steps + 1):
-            # Left out of the timings: the profiled steps (the counters slow them down), and a
-            # compiled model's first step (its compilation).
-            untimed = step in (flop_step, peak_step) or (strategy.compiled and step == start_step + 1)
-            clock.begin(timed=not untimed)
-            timer.active = not untimed
-            try:
-                if step == flop_step:
-                    loss, flops = count_flops(run_step)
-                elif step == peak_step:
-                    loss, peak = measure_peak(strategy, optimizer, run_step)
-                else:
-                    loss = run_step()
-            except NonFiniteStep as bad:
-                # Every rank raised it, before the update: the model is still the last good one.
-                loss = None
-                nonfinite(bad, step=step, found_at=step, last_checkpoint=last_checkpoint)
-                optimizer.zero_grad(set_to_none=True)
-            if loss is not None:
-                applied = torch.ones((), device=device) if guard is None else 1 - guard.last_skip
-                window_loss += torch.where(applied > 0, loss, 0.0)
-                window_applied += applied
-            lr = scheduler.get_last_lr()[0]  # the lr this step used
-            scheduler.step()
-            resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
-            if resampled:
-                strategy.model.train()
-            comm.end_step(timed=not untimed)
-            clock.end(timed=not untimed)
-            if measure_memory:  # gradients and optimizer state exist from the first step on
-                memory = _elementwise_max(memory, strategy.memory(optimizer))
-            measure_memory = resampled  # a new subnetwork: measure it after its first step
-            bar.update(1)
-            log_step = step % cfg.log_every == 0 or step == cfg.max_steps
-            eval_step = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps
-            # Stop signals are read at log steps (a collective read on the host).
-            stopping = step < cfg.max_steps and (
-                step == cfg.stop_at_step or (log_step and stop_requested is not None and stop_requested())
-            )
-            if not (log_step or eval_step or periodic or stopping):
-                continue  # no host sync in this step
-            clock.stop()  # the host waits for the device here
-            if guard is not None:
-                for at, bad in guard.report():
-                    nonfinite(bad, step=at, found_at=step, last_checkpoint=last_checkpoint)
-
-            if log_step or stopping:
-                record = _log_window(step, lr, window_loss, window_applied, clock=clock, units_per_step=units_per_step)
-                if record is not None:  # None: every step of the window was skipped
-                    last = record
-                    logger.log(last)
-                    bar.set_postfix(loss=f"{last['train_loss']:.4f}")
-                window_loss.zero_()
-                window_applied.zero_()
-            if eval_step:
-                final = step == cfg.max_steps and cfg.save_model
-                evals = evaluate(
-                    strategy,
-                    data,
-                    device=device,
-                    calibration=calibration,
-                    calibration_batches=calibration_batches,
-                    export=model_path if final else None,
-                    write_export=world.is_main,
-                )
-                logger.log({"step": step, **evals})
-                if world.is_main:
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
-            if checkpoint is not None and (periodic or stopping):
-                t_ckpt = time.perf_counter()
-                written = checkpoint(step, {"memory": memory, "peak": peak, "flops": flops})
-                checkpoint_time += time.perf_counter() - t_ckpt
-                checkpoints_written += bool(written)
-                checkpoint_failures += not written
-                last_checkpoint = step if written else last_checkpoint
-            if stopping:
-                stopped_at = step
-                if world.is_main:
-                    where = "its checkpoint" if written else "the checkpoint before (this one could not be written)"
-                    bar.write(f"stopped after step {step}; the same command resumes from {where}")
-                break
-    finally:  # the bar ends its line before anything else is printed
-        bar.close()
-    speed = _speed(clock, timer, units_per_step=units_per_step, world_size=world.world_size)
-    return {
-        "steps": stopped_at or cfg.max_steps,
-        "stopped_at": stopped_at,
-        "resumed_from": start_step or None,
-        "train_loss": last.get("train_loss"),
-        "nonfinite_skipped_steps": skipped,
-        "checkpoint_failures": checkpoint_failures,
-        # Wall time of this launch's checkpoints (written, checksummed, fsynced), outside the step times.
-        "checkpoints_written": checkpoints_written,
-        "checkpoint_time_s": checkpoint_time,
-        **evals,
-        **speed,
-        **_measurements(strategy, comm, memory=memory, peak=peak, flops=flops, device=device),
-        **_mfu(
-            strategy,
-            device=device,
-            precision=precision,
-            flops=flops,
-            step_time=speed["step_time_s"],
-            tokens_per_rank=units_per_step // world.world_size,
-            seq_len=units_per_sample,
-        ),
-    }
 
 
-def _speed(clock: StepClock, timer: PhaseTimer, *, units_per_step: int, world_size: int) -> dict:
-    """summary.json's throughput and step times (per rank: its share of the global batch)."""
-    step_time = clock.step_time()
-    return {
-        "tokens_or_samples_per_s": units_per_step / step_time if step_time else None,
-        "tokens_or_samples_per_s_per_rank": units_per_step / world_size / step_time if step_time else None,
-        "step_time_s": step_time,
-        "step_time_split_s": {k: v / clock.steps for k, v in timer.read().items()} if clock.steps else {},
-    }
+def _log_train(record: dict | None, *, logger: RunLogger, bar: tqdm) -> None:
+    if record is not None:  # None: every step of the window was skipped
+        logger.log(record)
+        bar.set_postfix(loss=f"{record['train_loss']:.4f}")
 
 
-def _measurements(
-    strategy: Strategy, comm: CommCounter, *, memory: dict, peak: dict | None, flops: int | None, device: torch.device
-) -> dict:
-    """Collective: summary.json's memory, FLOP and communication entries, from every rank's."""
-    local = {
-        **memory,
-        "peak_bytes": peak["total"] if peak else None,
-        "peak_breakdown": peak,
-        **cuda_peaks(device),
-    }
-    gathered = dist.gather_objects((local, flops, comm.waits()))
-    per_rank = [mem for mem, _, _ in gathered]
-    return {
-        "flops_per_step_per_rank": max((f for _, f, _ in gathered if f is not None), default=None),
-        "memory": _busiest(per_rank),
-        "memory_per_rank": per_rank,
-        **_comm_summary(comm, strategy, [w for _, _, w in gathered], device=device),
-    }
+def _log_eval(step: int, evals: dict, *, logger: RunLogger, bar: tqdm, world: dist.World) -> None:
+    logger.log({"step": step, **evals})
+    if world.is_main:
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
 
 
-def _mfu(
-    strategy: Strategy,
-    *,
-    device: torch.device,
-    precision: str,
-    flops: int | None,
-    step_time: float | None,
-    tokens_per_rank: int,
-    seq_len: int,
-) -> dict:
-    """summary.json's MFU entries: the FLOPs a step of this rank is credited with (a
-    transformer's model FLOPs by torchtitan's formula for what this rank runs, see
-    metrics.flops.model_flops_per_token; other models' FLOPs as counted in the profiled step)
-    over its step time and the peak-table entry of the device (`mfu_peak`; null on CPU or an
-    unlisted device, and then `mfu` is null too)."""
-    peak = peak_entry(device, precision)
-    out = {"mfu": None, "mfu_peak": peak, "mfu_flops": None, "mfu_flops_per_step": None}
-    heads, head_dim = attention_heads(strategy.model)
-    if heads:
-        trainable = strategy.trainable()
-        embeddings = [m.weight for m in strategy.model.modules() if isinstance(m, nn.Embedding)]
-        embedding = sum(w.numel() for w in embeddings)
-        trained = sum(p.numel() for p in trainable) - sum(
-            w.numel() for w in embeddings if any(w is p for p in trainable)
-        )
-        per_token = model_flops_per_token(
-            forward_params=strategy.forward_params() - embedding,
-            trained_params=trained,
-            heads=heads,
-            head_dim=head_dim,
-            seq_len=seq_len,
-        )
-        out["mfu_flops"], out["mfu_flops_per_step"] = "model (torchtitan)", per_token * tokens_per_rank
-    elif flops:
-        out["mfu_flops"], out["mfu_flops_per_step"] = "counted", flops
-    if peak and step_time and out["mfu_flops_per_step"]:
-        out["mfu"] = out["mfu_flops_per_step"] / step_time / peak["flops_per_s"]
-    return out
-
-
-def _log_window(
-    step: int, lr: float, loss_sum: torch.Tensor, applied: torch.Tensor, *, clock: StepClock, units_per_step: int
-) -> dict | None:
-    """Collective: the log record of a window, its mean train loss over every rank's applied
-    steps and the throughput so far; None when every step of the window was skipped."""
-    total, count = dist.all_reduce_(torch.stack([loss_sum, applied])).tolist()
-    if count == 0:
-        return None
-    record = {"step": step, "train_loss": total / count, "lr": lr}
-    if clock.steps:
-        record["tokens_or_samples_per_s"] = units_per_step * clock.steps / clock.seconds
-        record["step_time_s"] = clock.seconds / clock.steps
-    return record
-
-
-def _comm_summary(comm: CommCounter, strategy: Strategy, waits: list, *, device: torch.device) -> dict:
-    """summary.json's communication entries, from every rank's counter (collective); `waits`
-    is every rank's `comm.waits()`."""
-    per_step = comm.per_step()
-    counters = {**per_step, "total": sum(per_step.values()), "comm_groups": strategy.comm_groups()}
-    busiest = _max_over_ranks(counters, device=device)
-    exposed, waited = exposed_comm(waits)
-    return {
-        # The busiest rank's total, and each kind's busiest rank (not necessarily the same one).
-        "comm_bytes_per_step": busiest.pop("total"),
-        # The busiest rank's process groups (with NCCL, communicators), the world included.
-        "comm_groups_per_rank": int(busiest.pop("comm_groups")),
-        "comm_bytes_per_step_by_kind": busiest,
-        # Waiting for gradient averaging and weight refresh after the compute, mean s per step:
-        # the part no rank could hide, and the busiest rank's, peers' drift included (see
-        # metrics.comm.exposed_comm; None where not measured: FSDP waits inside its own hooks).
-        "exposed_comm_s": exposed,
-        "comm_wait_s": waited,
-    }
-
-
-def _busiest(per_rank: list[dict]) -> dict:
-    """Each memory counter's largest value over the ranks, and the peak breakdown of the rank
-    with the largest live peak."""
-    out = {}
-    for key in per_rank[0]:
-        if key == "peak_breakdown":
-            continue
-        values = [r[key] for r in per_rank if r[key] is not None]
-        out[key] = max(values) if values else None
-    with_peak = [r for r in per_rank if r["peak_breakdown"] is not None]
-    out["peak_breakdown"] = max(with_peak, key=lambda r: r["peak_bytes"])["peak_breakdown"] if with_peak else None
-    return out
-
-
-def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: max(a.get(k, v), v) for k, v in b.items()}
-
-
-def _max_over_ranks(values: dict[str, float], *, device: torch.device) -> dict[str, float]:
-    """Each counter's largest value over the ranks: what the busiest device holds or sends.
-
-    Every rank must pass the same keys.
-    """
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce_(t, op="max")
-    return dict(zip(keys, t.tolist(), strict=True))
+def _say_stopped(step: int, *, written: bool, bar: tqdm, world: dist.World) -> None:
+    if world.is_main:
+        where = "its checkpoint" if written else "the checkpoint before (this one could not be written)"
+        bar.write(f"stopped after step {step}; the same command resumes from {where}")

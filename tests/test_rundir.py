@@ -1,0 +1,70 @@
+"""The run dir's owner: summary.json through one typed record, atomic JSON, the run dir's choice."""
+
+import dataclasses
+import json
+
+from sdp.rundir import (
+    SUMMARY,
+    Summary,
+    choose_run_dir,
+    read_summary,
+    run_status,
+    write_json_atomic,
+    write_summary,
+)
+
+HEAD = dict(
+    status="completed", model="llama_tiny", dataset="synthetic_text", world_size=2, coverage=0.5, masking="forward",
+    parallelism="ddp", activation_checkpointing="none", mixed_precision="fp32", protocol="same_iteration",
+    device="cpu", seed=0,
+)  # fmt: skip
+
+
+def test_a_summary_round_trips_with_the_strategy_entries_beside_the_fields(tmp_path):
+    summary = Summary(**HEAD, steps=8, memory={"params_bytes": 4}, strategy={"granularity": "neuron", "mask": {"K": 2}})
+    obj = summary.to_json()
+    assert obj["granularity"] == "neuron" and obj["mask"] == {"K": 2} and "strategy" not in obj
+    assert set(obj) == {f.name for f in dataclasses.fields(Summary)} - {"strategy"} | {"granularity", "mask"}
+    write_summary(tmp_path, summary)
+    assert json.loads((tmp_path / SUMMARY).read_text()) == obj
+    assert read_summary(tmp_path) == summary
+    assert [p.name for p in tmp_path.iterdir()] == [SUMMARY]  # no temporary file left
+
+
+def test_update_sets_fields_and_keeps_the_rest_for_the_strategy():
+    summary = Summary(**HEAD)
+    summary.update({"eval_loss": 1.5, "fsdp_degree": 4})
+    assert summary.eval_loss == 1.5 and summary.strategy == {"fsdp_degree": 4}
+
+
+def test_unreadable_summaries_read_as_none_but_a_completed_status_still_counts(tmp_path):
+    assert read_summary(tmp_path) is None and run_status(tmp_path) is None
+    (tmp_path / SUMMARY).write_text('{"status": "compl')  # not JSON
+    assert read_summary(tmp_path) is None and run_status(tmp_path) is None
+    (tmp_path / SUMMARY).write_text(json.dumps({"status": "completed"}))  # by hand: no other field
+    assert read_summary(tmp_path) is None and run_status(tmp_path) == "completed"
+    (tmp_path / SUMMARY).write_text("[1, 2]")
+    assert read_summary(tmp_path) is None and run_status(tmp_path) is None
+
+
+def test_the_summary_keeps_no_secret(tmp_path, monkeypatch):
+    secret = "5ec7e7c0ffee5ec7e7c0ffee5ec7e7c0ffee5ec7"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    write_summary(tmp_path, Summary(**{**HEAD, "status": "failed"}, error=f"HTTPError: 401 with key {secret}"))
+    assert secret not in (tmp_path / SUMMARY).read_text()
+    assert read_summary(tmp_path).error == "HTTPError: 401 with key <redacted>"
+
+
+def test_a_new_run_dir_never_reuses_one(tmp_path):
+    first = choose_run_dir(run_dir=None, output_root=str(tmp_path), name="r")
+    first.mkdir()
+    second = choose_run_dir(run_dir=None, output_root=str(tmp_path), name="r")
+    assert second != first and second.name.startswith(first.name) and first.name.endswith("-r")
+    assert choose_run_dir(run_dir=str(tmp_path / "mine"), output_root="x", name="r") == tmp_path / "mine"
+
+
+def test_json_is_replaced_whole(tmp_path):
+    path = tmp_path / "a.json"
+    write_json_atomic(path, {"b": 1, "a": [1, 2]})
+    write_json_atomic(path, {"c": 2})
+    assert json.loads(path.read_text()) == {"c": 2} and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
