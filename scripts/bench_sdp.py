@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--coverage", type=float, default=0.5)
-    parser.add_argument("--cluster", default="cpu_2core", help="conf/cluster/NAME.yaml describing this machine")
+    parser.add_argument("--cluster", default="cpu_2core", help="src/sdp/conf/cluster/NAME.yaml describing this machine")
     parser.add_argument("--models", nargs="+", default=[m for m, _, _ in MODELS])
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="parallelism.bucket_cap_mb of every run")
     parser.add_argument("--out", type=Path, help="also write the report here (e.g. results/bench/sdp_cpu_k4.md)")

@@ -1,4 +1,4 @@
-"""Measure this machine as a `conf/cluster/*.yaml` describes one: what the step-time model needs.
+"""Measure this machine as a `src/sdp/conf/cluster/*.yaml` describes one: what the step-time model needs.
 
     python -m torch.distributed.run --standalone --nproc_per_node=4 scripts/calibrate_cpu_cluster.py [--out FILE]
 

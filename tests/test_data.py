@@ -16,13 +16,13 @@ from omegaconf import OmegaConf
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from sdp.config import CONF_DIR
 from sdp.data import DataConfig, build_data, data_vocab_size, local_text, prepare_data, validate_data
 from sdp.data.core import cache_root
 from sdp.data.images import random_crop_flip
 from sdp.data.tokenizer import encode_docs, train_bpe
 from sdp.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -73,7 +73,7 @@ def expect_config_error(cfg: DataConfig, key: str, *, offline: bool = True, text
 # ---------------------------------------------------------------- config and generic checks
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "conf" / "dataset").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((CONF_DIR / "dataset").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_yaml_fills_a_data_config(path):
     raw = OmegaConf.load(path)
     assert {"name", "kind"} <= set(raw) and raw.name == path.stem

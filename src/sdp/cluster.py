@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+CLUSTER_DIR = Path(__file__).resolve().parent / "conf" / "cluster"
 
 
 @dataclass

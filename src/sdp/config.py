@@ -9,11 +9,13 @@ group starts.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -28,7 +30,7 @@ from sdp.subnet import MaskingConfig, is_sdp, validate_masking
 from sdp.subnet.strategy import validate_plan
 from sdp.trainer import TrainerConfig, validate_trainer
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped inside the package
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
 
 
@@ -47,9 +49,68 @@ class RunConfig:
     output_root: str = "outputs"
 
 
-def group_options(group: str) -> list[str]:
-    """The options of a config group, as `group=<option>` accepts them."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+SEARCHPATH = "hydra.searchpath"
+
+
+def group_options(group: str, dirs: list[Path] | None = None) -> list[str]:
+    """The options of a config group, as `group=<option>` accepts them, from the package's
+    configs and the user's config dirs (`search_dirs`)."""
+    return sorted({p.stem for d in dirs or [CONF_DIR] for p in (d / group).glob("*.yaml")})
+
+
+def search_dirs(overrides: list[str]) -> list[Path]:
+    """The config dirs a composition reads: the package's conf/, then each directory a
+    `hydra.searchpath=[...]` override adds (file://DIR, pkg://module or a plain path;
+    `--config-dir DIR` adds one); a missing one is refused."""
+    dirs = [CONF_DIR]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") != SEARCHPATH:
+            continue
+        for entry in _searchpath_entries(value):
+            dirs.append(_search_dir(entry, value))
+    return dirs
+
+
+def _searchpath_entries(value: str) -> list[str]:
+    """The entries of a hydra.searchpath value, as Hydra's override grammar reads them (a sweep
+    writes them back escaped: file\\:///...)."""
+    try:
+        entries = OverridesParser.create().parse_override(f"{SEARCHPATH}={value}").value()
+    except HydraException as err:
+        raise ConfigError(SEARCHPATH, value, f"not a list of directories: {str(err).splitlines()[0]}") from None
+    return [str(e) for e in (entries if isinstance(entries, list) else [entries])]
+
+
+def _search_dir(entry: str, value: str) -> Path:
+    if entry.startswith("pkg://"):
+        spec = importlib.util.find_spec(entry.removeprefix("pkg://").replace("/", "."))
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        if not locations:
+            raise ConfigError(SEARCHPATH, value, f"{entry}: no such package")
+        return Path(locations[0])
+    path = Path(entry.removeprefix("file://"))
+    if not path.is_dir():
+        raise ConfigError(SEARCHPATH, value, f"{entry}: no such directory")
+    return path
+
+
+def with_config_dirs(overrides: list[str], dirs: list[str]) -> list[str]:
+    """`overrides` with `dirs` (--config-dir) and any plain path of a hydra.searchpath override
+    as absolute file:// entries of one hydra.searchpath override (Hydra wants a scheme; a
+    sweep's jobs may start elsewhere)."""
+    entries, rest = [], []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") == SEARCHPATH:
+            entries += _searchpath_entries(value)
+        else:
+            rest.append(override)
+    entries += dirs
+    if not entries:
+        return rest
+    absolute = [e if "://" in e else f"file://{Path(e).expanduser().resolve()}" for e in entries]
+    return [*rest, f"{SEARCHPATH}=[{','.join(absolute)}]"]
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -66,7 +127,8 @@ def _explain_compose_error(err: Exception, overrides: list[str]) -> ConfigError:
     missing = re.search(r"Could not find '(\w+)/([^']+)'", msg)
     if missing:
         group, option = missing.groups()
-        return ConfigError(group, option, f"unknown option; allowed: {', '.join(group_options(group))}")
+        allowed = ", ".join(group_options(group, search_dirs(overrides)))
+        return ConfigError(group, option, f"unknown option; allowed: {allowed}")
     not_in_struct = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if not_in_struct:
         key = not_in_struct.group(1)
@@ -92,7 +154,7 @@ def _closest_key(key: str, overrides: list[str]) -> str:
     return f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
 
 
-def check_pairing(cfg: DictConfig) -> None:
+def check_pairing(cfg: DictConfig, dirs: list[Path] | None = None) -> None:
     """The model family must suit the dataset kind.
 
     Runs before interpolations are resolved: a family's fields may interpolate
@@ -103,11 +165,9 @@ def check_pairing(cfg: DictConfig) -> None:
         raise ConfigError("model.family", family, f"allowed: {', '.join(FAMILIES)}")
     kind = cfg.dataset.get("kind")
     if FAMILY_KIND[family] != kind:
-        wanted = [
-            o
-            for o in group_options("dataset")
-            if OmegaConf.load(CONF_DIR / "dataset" / f"{o}.yaml").get("kind") == FAMILY_KIND[family]
-        ]
+        dirs = dirs or [CONF_DIR]
+        kinds = {p.stem: OmegaConf.load(p).get("kind") for d in reversed(dirs) for p in (d / "dataset").glob("*.yaml")}
+        wanted = sorted(o for o, kind in kinds.items() if kind == FAMILY_KIND[family])
         raise ConfigError(
             "dataset",
             cfg.dataset.get("name"),
@@ -182,8 +242,9 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
 
 def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
     """Compose and type a run's config, without the checks that look at data or the world."""
+    dirs = search_dirs(overrides)
     raw = compose_config(overrides)
-    check_pairing(raw)
+    check_pairing(raw, dirs)
     try:
         OmegaConf.resolve(raw)
     except OmegaConfBaseException as err:

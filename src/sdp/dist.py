@@ -172,7 +172,8 @@ def warn0(world: World, message: str) -> None:
         sys.stderr.flush()
 
 
-def print0(world: World, *args, file=sys.stdout) -> None:
+def print0(world: World, *args, file=None) -> None:
+    """Print on rank 0 (to stdout by default: the one at call time, so a test can capture it)."""
     if world.is_main:
         print(*args, file=file, flush=True)
 

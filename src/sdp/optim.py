@@ -24,8 +24,8 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = False
     schedule: str = "cosine"  # cosine | linear | constant, after a linear warmup
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
     # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
     # guard's found_inf, see sdp.nonfinite); foreach: torch's multi-tensor one. auto: fused on
     # CUDA, torch's default elsewhere (on CPU its per-tensor loop: the CPU results so far).

@@ -46,8 +46,8 @@ class MaskingConfig:
     # BatchNorm statistics on this many training batches per rank (averaged over
     # ranks). Each holder measured its units' statistics inside its own
     # subnetwork, which the full model's activations no longer match (the
-    # recalibration of slimmable / once-for-all networks). 0: off.
-    bn_recalibration_batches: int = 20
+    # recalibration of slimmable / once-for-all networks). 0: off (masking/forward.yaml: 20).
+    bn_recalibration_batches: int = 0
     # Draw a new mask every this many optimizer steps (IST-style; 0: one mask for the
     # whole run). Units' weights and optimizer state move from their old holders to
     # their new ones, so training continues exactly where it was, on new subnetworks.

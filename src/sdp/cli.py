@@ -1,0 +1,126 @@
+"""The command line as a Hydra user expects it: overrides, `-m` (a sweep), `--help`,
+`--cfg job|hydra|all` (print the composed config, start nothing) and `--config-dir DIR` (a dir
+of the user's own `experiment/`, `model/`... files, as `hydra.searchpath=[...]` also adds).
+Shared by `python -m sdp.train`, `torchrun -m sdp.train` and the `sdp-train` console script."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sdp.config import CONF_DIR, GROUPS, group_options, search_dirs, typed_config, with_config_dirs
+from sdp.errors import ConfigError
+from sdp.redact import redact
+
+CFG_KINDS = ("job", "hydra", "all")
+FLAGS = "-m/--multirun, -h/--help, -c/--cfg job|hydra|all, --resolve, -cd/--config-dir DIR"
+
+# The keys most runs set, shown by --help with their defaults.
+COMMON_KEYS = (
+    "seed",
+    "run_dir",
+    "output_root",
+    "trainer.max_steps",
+    "trainer.global_batch_size",
+    "trainer.grad_accum_steps",
+    "trainer.eval_every",
+    "trainer.log_every",
+    "trainer.checkpoint_every",
+    "trainer.protocol",
+    "masking.coverage",
+    "masking.granularity",
+    "masking.construction",
+    "masking.resample_every",
+    "parallelism.activation_checkpointing",
+    "parallelism.mixed_precision",
+    "parallelism.compile",
+    "optim.lr",
+    "dataset.seq_len",
+    "logger.mode",
+)
+
+
+@dataclass
+class CommandLine:
+    overrides: list[str] = field(default_factory=list)
+    multirun: bool = False
+    help: bool = False
+    cfg: str | None = None  # job | hydra | all: print that config and stop
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Flags apart from overrides; --config-dir becomes a hydra.searchpath override (which
+    every job of a sweep then carries). Raises ConfigError on an unknown flag."""
+    line, dirs, args = CommandLine(), [], iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if arg in ("-h", "--help"):
+            line.help = True
+        elif arg in ("-m", "--multirun"):
+            line.multirun = True
+        elif arg == "--resolve":
+            pass  # --cfg always prints the config resolved, as the run sees it
+        elif name in ("-c", "--cfg"):
+            line.cfg = value if eq else next(args, None)
+            if line.cfg not in CFG_KINDS:
+                raise ConfigError("--cfg", line.cfg, f"allowed: {', '.join(CFG_KINDS)}")
+        elif name in ("-cd", "--config-dir"):
+            folder = value if eq else next(args, None)
+            if not folder:
+                raise ConfigError("--config-dir", folder, "needs a directory")
+            dirs.append(folder)
+        elif arg.startswith("-"):
+            raise ConfigError("flags", arg, f"unknown flag; allowed: {FLAGS}")
+        else:
+            line.overrides.append(arg)
+    line.overrides = with_config_dirs(line.overrides, dirs)
+    search_dirs(line.overrides)  # a missing config dir is refused here, before anything runs
+    return line
+
+
+def show_config(overrides: list[str], kind: str) -> str:
+    """The composed config as YAML, resolved and typed as the run would see it (secrets
+    redacted); `hydra` / `all` add Hydra's own node, unresolved (sdp reads only its searchpath)."""
+    raw, _ = typed_config(overrides)
+    job = redact(OmegaConf.to_container(raw, resolve=True))
+    if kind == "job":
+        return OmegaConf.to_yaml(job)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            hydra = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError("--cfg", kind, f"could not compose Hydra's node: {str(err).splitlines()[0]}") from None
+    node = {"hydra": redact(OmegaConf.to_container(hydra, resolve=False))}
+    return OmegaConf.to_yaml(node if kind == "hydra" else {**node, **job})
+
+
+def help_text(overrides: list[str]) -> str:
+    """--help: usage, every config group with its options (the user's config dirs included),
+    the most-used keys with their defaults, the flags, and where to read more."""
+    dirs = search_dirs(overrides)
+    raw, _ = typed_config(overrides)
+    lines = [
+        "usage: torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]",
+        "       python -m sdp.train -m key=a,b ...   (a sweep; sweep.KEY=VALUE options: docs/sweeps.md)",
+        "",
+        "Config groups (group=option; the defaults are conf/config.yaml's):",
+    ]
+    width = max(len(g) for g in GROUPS)
+    lines += [f"  {g:<{width}}  {', '.join(group_options(g, dirs))}" for g in GROUPS]
+    lines += ["", "Keys most runs set (key=value; the value these overrides give; any key of --cfg job works):"]
+    width = max(len(k) for k in COMMON_KEYS)
+    lines += [f"  {k:<{width}}  {OmegaConf.select(raw, k)}" for k in COMMON_KEYS]
+    lines += [
+        "",
+        f"Flags: {FLAGS}",
+        "  --cfg job prints the composed, resolved config and starts nothing (hydra, all: with Hydra's own node);",
+        "  --config-dir DIR (or hydra.searchpath=[file://DIR]) adds DIR's experiment/, model/... options.",
+        "",
+        "Read more: README.md (quick start) and docs/ (configuration.md, sdp.md, memory.md, speed.md,",
+        "resuming.md, experiments.md, sweeps.md, bad-input.md, troubleshooting.md).",
+    ]
+    return "\n".join(lines)

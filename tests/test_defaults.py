@@ -1,0 +1,69 @@
+"""Defaults defined once: the dataclasses (what code and tests construct) and the YAML of each
+group's default option (what a run composes) hold the same defaults, field for field."""
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from sdp.config import CONF_DIR
+from sdp.metrics.logger import LoggerConfig
+from sdp.optim import OptimConfig
+from sdp.parallel import ParallelConfig
+from sdp.subnet import MaskingConfig
+from sdp.trainer import TrainerConfig
+
+SCHEMAS = {"trainer": TrainerConfig, "parallelism": ParallelConfig, "masking": MaskingConfig, "optim": OptimConfig}
+SCHEMAS["logger"] = LoggerConfig
+
+
+def default_options() -> dict[str, str]:
+    """group -> the option conf/config.yaml's defaults list picks."""
+    listed = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
+    return {k: v for entry in listed if isinstance(entry, dict) for k, v in entry.items()}
+
+
+def field_defaults(schema) -> dict:
+    out = {}
+    for f in dataclasses.fields(schema):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+# Fields a group's default option leaves out on purpose (so an override of them is refused there).
+LEFT_OUT = {"optim": {"momentum", "nesterov"}}  # SGD's: adamw.yaml has none
+
+
+def differences(schema, yaml: dict, left_out: set[str] = frozenset()) -> list[str]:
+    """Where a group's default YAML and its dataclass disagree: a field missing from the YAML,
+    a key that is no field, a value that differs."""
+    fields = field_defaults(schema)
+    out = [f"{k}: not in the YAML" for k in fields if k not in yaml and k not in left_out]
+    out += [f"{k}: no such field" for k in yaml if k not in fields]
+    out += [
+        f"{k}: {yaml[k]!r} in the YAML, {fields[k]!r} in the dataclass"
+        for k in yaml
+        if yaml[k] != fields.get(k, yaml[k])
+    ]
+    return out
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMAS))
+def test_the_default_option_of_each_group_is_its_dataclass(group):
+    option = default_options()[group]
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
+    yaml.pop("defaults", None)
+    assert differences(SCHEMAS[group], yaml, LEFT_OUT.get(group, set())) == []
+
+
+def test_a_difference_is_found():
+    yaml = {**field_defaults(TrainerConfig), "log_every": 7, "typo": 1}
+    del yaml["max_steps"]
+    assert differences(TrainerConfig, yaml) == [
+        "max_steps: not in the YAML",
+        "typo: no such field",
+        "log_every: 7 in the YAML, 10 in the dataclass",
+    ]

@@ -1,0 +1,75 @@
+"""Installable like a library: a wheel built from the tree carries the configs, and its console
+scripts run from outside the source tree with nothing of src/ or conf/ on any path."""
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import job_env
+
+REPO = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict]:
+    """The wheel installed (--no-deps) into a directory of its own; the environment that runs
+    it: that directory, then this venv's site-packages for the dependencies."""
+    tmp = tmp_path_factory.mktemp("install")
+    source = tmp / "source"  # a copy: building writes build/ and *.egg-info/ next to the sources
+    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "wheels"), str(source)]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp / "wheels").glob("sdp-*.whl")
+    target = tmp / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, timeout=300)
+    # No `site` (python -S): the editable install's .pth, which puts src/ on the path, is not read.
+    env = job_env(PYTHONPATH=f"{target}:{sysconfig.get_paths()['purelib']}")
+    return wheel, {"target": target, "env": env, "work": tmp / "elsewhere"}
+
+
+def _run(installed, script: str, *args: str) -> subprocess.CompletedProcess:
+    _, where = installed
+    where["work"].mkdir(exist_ok=True)
+    cmd = [sys.executable, "-S", str(where["target"] / "bin" / script), *args]
+    return subprocess.run(cmd, cwd=where["work"], env=where["env"], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_every_config(installed):
+    wheel, _ = installed
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {str(p.relative_to(REPO / "src")) for p in (REPO / "src" / "sdp" / "conf").rglob("*.yaml")}
+    assert shipped and shipped <= names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    for script in ("sdp-train = sdp.train:cli", "sdp-estimate = sdp.estimate:main", "sdp-collect = sdp.collect:main"):
+        assert script in entry_points
+
+
+@pytest.mark.slow
+def test_the_console_scripts_run_outside_the_source_tree(installed):
+    _, where = installed
+    probe = subprocess.run(
+        [sys.executable, "-S", "-c", "import sdp, sys; print(sdp.__file__); print(*sys.path, sep='\\n')"],
+        cwd=REPO.parent,
+        env=where["env"],
+        capture_output=True,
+        text=True,
+    )
+    module, *path = probe.stdout.splitlines()
+    sources = (str(REPO / "src"), str(REPO / "conf"))
+    assert module.startswith(str(where["target"])) and not any(p.startswith(sources) for p in path), probe.stdout
+    helped = _run(installed, "sdp-train", "--help")
+    assert helped.returncode == 0 and "demo_fmnist" in helped.stdout, helped.stderr[-2000:]
+    ran = _run(installed, "sdp-train", "debug=fast", "dataset=synthetic_image", "run_dir=runs/fast")
+    assert ran.returncode == 0 and "run dir: runs/fast" in ran.stdout, ran.stderr[-2000:]
+    estimated = _run(installed, "sdp-estimate", "model=llama_tiny", "dataset=synthetic_text", "world_size=2")
+    assert estimated.returncode == 0 and "params" in estimated.stdout, estimated.stderr[-2000:]
+    collected = _run(installed, "sdp-collect", "runs", "--out", "tables")
+    assert collected.returncode == 0 and (where["work"] / "tables").is_dir(), collected.stderr[-2000:]
