@@ -18,7 +18,7 @@ LAYERS = [
     ("sdp.parallel",),
     ("sdp.subnet", "sdp.baselines"),
     ("sdp.trainer", "sdp.meter", "sdp.nonfinite", "sdp.checkpoint", "sdp.rundir", "sdp.config", "sdp.build"),
-    ("sdp.runner",),
+    ("sdp.runner", "sdp.cli"),
     ("sdp.train", "sdp.sweep", "sdp.estimate", "sdp.collect", "sdp.compare"),
 ]
 
