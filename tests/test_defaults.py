@@ -2,12 +2,16 @@
 group's default option (what a run composes) hold the same defaults, field for field."""
 
 import dataclasses
+import enum
+import typing
 
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.config import CONF_DIR
+from sdp.config import CONF_DIR, typed_config
+from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig
+from sdp.models import LlamaConfig
 from sdp.optim import OptimConfig
 from sdp.parallel import ParallelConfig
 from sdp.subnet import MaskingConfig
@@ -67,3 +71,29 @@ def test_a_difference_is_found():
         "typo: no such field",
         "log_every: 7 in the YAML, 10 in the dataclass",
     ]
+
+
+def enum_fields() -> list[tuple[str, str, list[str]]]:
+    """(group, field, the values it allows) of every enum-typed choice of the groups' schemas."""
+    out = []
+    for group, schema in sorted({**SCHEMAS, "model": LlamaConfig}.items()):
+        for name, kind in typing.get_type_hints(schema).items():
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                out.append((group, name, [m.value for m in kind]))
+    return out
+
+
+def test_the_choices_are_enums():
+    found = {f"{g}.{f}" for g, f, _ in enum_fields()}
+    assert found >= {"trainer.protocol", "trainer.on_nonfinite", "masking.name", "masking.granularity",
+                     "parallelism.mixed_precision", "optim.schedule", "logger.mode", "model.loss"}  # fmt: skip
+
+
+@pytest.mark.parametrize("group,field,allowed", enum_fields(), ids=lambda v: v if isinstance(v, str) else None)
+def test_omegaconf_refuses_a_value_outside_a_choice_with_what_is_allowed(group, field, allowed):
+    extra = ["model=llama_tiny", "dataset=synthetic_text"] if group == "model" else []
+    with pytest.raises(ConfigError) as info:
+        typed_config([*extra, f"{group}.{field}=bogus"])
+    assert str(info.value) == f"{group}.{field}='bogus': allowed: {', '.join(allowed)}"
+    cfg = typed_config(extra)[1]
+    assert getattr(getattr(cfg, group), field) in allowed  # the typed config holds the enum member

@@ -9,8 +9,10 @@ group starts.
 from __future__ import annotations
 
 import difflib
+import enum
 import importlib.util
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,9 +199,18 @@ def to_typed(cfg: DictConfig) -> RunConfig:
             value = getattr(err, "value", None)
             if value is None and field_name in cfg[key]:
                 value = cfg[key][field_name]
+            choices = _choices(schema, field_name)
+            if choices:  # an enum-typed choice: OmegaConf checked it against the enum
+                raise ConfigError(f"{key}.{field_name}", value, f"allowed: {', '.join(choices)}") from None
             raise ConfigError(f"{key}.{field_name}", value, f"invalid: {str(err).splitlines()[0]}") from None
     top = {k: cfg.get(k) for k in ("seed", "name", "run_dir", "output_root")}
     return RunConfig(**typed, **top)
+
+
+def _choices(schema: type, field_name: str) -> list[str]:
+    """The values an enum-typed field of `schema` allows ([] for other fields)."""
+    kind = typing.get_type_hints(schema).get(field_name)
+    return [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, enum.Enum) else []
 
 
 def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool = True) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 from sdp.redact import REDACTED, is_secret_name, redact_text
 
 
@@ -15,6 +17,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, key: str, value: object, allowed: str):
+        value = value.value if isinstance(value, Enum) else value  # a choice (StrEnum) as the user typed it
         self.key, self.value, self.allowed = key, value, allowed
         shown = REDACTED if is_secret_name(key) and value not in (None, "") else repr(value)
         super().__init__(redact_text(f"{key}={shown}: {allowed}"))

@@ -20,6 +20,7 @@ Either way the diagnostic names every rank's loss and its non-finite gradient te
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -30,7 +31,13 @@ from sdp.errors import RunFailed
 from sdp.metrics.logger import RunLogger
 from sdp.rundir import nonfinite_record, write_json_atomic
 
-POLICIES = ("stop", "skip", "off")
+
+class OnNonFinite(StrEnum):
+    """trainer.on_nonfinite: stop the run, skip the step, or off (no check)."""
+
+    stop = "stop"
+    skip = "skip"
+    off = "off"
 
 
 class NonFiniteStep(RuntimeError):

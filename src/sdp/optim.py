@@ -5,41 +5,52 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
 from sdp.errors import ConfigError
 
-SCHEDULES = ("cosine", "linear", "constant")
-IMPLEMENTATIONS = ("auto", "fused", "foreach")
+
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Schedule(StrEnum):
+    """optim.schedule, after a linear warmup."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Implementation(StrEnum):
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd
+    name: Optimizer = Optimizer.adamw
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.9
     nesterov: bool = False
-    schedule: str = "cosine"  # cosine | linear | constant, after a linear warmup
+    schedule: Schedule = Schedule.cosine
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
     # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
     # guard's found_inf, see sdp.nonfinite); foreach: torch's multi-tensor one. auto: fused on
     # CUDA, torch's default elsewhere (on CPU its per-tensor loop: the CPU results so far).
-    implementation: str = "auto"
+    implementation: Implementation = Implementation.auto
 
 
 def validate_optim(cfg: OptimConfig) -> None:
     """Reject values the optimizer or schedule cannot use."""
-    if cfg.name not in ("adamw", "sgd"):
-        raise ConfigError("optim.name", cfg.name, "allowed: adamw, sgd")
-    if cfg.implementation not in IMPLEMENTATIONS:
-        raise ConfigError("optim.implementation", cfg.implementation, f"allowed: {', '.join(IMPLEMENTATIONS)}")
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError("optim.schedule", cfg.schedule, f"allowed: {', '.join(SCHEDULES)}")
     if not cfg.lr > 0:
         raise ConfigError("optim.lr", cfg.lr, "must be > 0")
     if cfg.warmup_steps < 0:

@@ -6,6 +6,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -20,10 +21,22 @@ from sdp.data.prefetch import to_device
 from sdp.errors import ConfigError
 from sdp.meter import Meter, PhaseTimer
 from sdp.metrics.logger import RunLogger
-from sdp.nonfinite import POLICIES, NonFiniteGuard, NonFinitePolicy, NonFiniteStep, check_finite
+from sdp.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
 from sdp.parallel import Strategy
 
-PROTOCOLS = ("same_iteration", "flop_matched")
+
+class Protocol(StrEnum):
+    """trainer.protocol: same_iteration, every variant takes max_steps steps; flop_matched (the
+    paper's), an SDP run takes max_steps / coverage steps (and warmup)."""
+
+    same_iteration = "same_iteration"
+    flop_matched = "flop_matched"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @dataclass
@@ -35,7 +48,7 @@ class TrainerConfig:
     eval_batch_size: int | None = None  # None: the per-rank train micro-batch
     log_every: int = 10
     grad_clip: float = 1.0  # 0: no clipping
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     progress: bool = True
     # Write the final evaluated model (assembled under SDP, with its evaluation
     # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
@@ -52,12 +65,12 @@ class TrainerConfig:
     stop_at_step: int = 0
     # same_iteration: every variant takes max_steps steps. flop_matched (the paper's): an SDP
     # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
-    protocol: str = "same_iteration"
+    protocol: Protocol = Protocol.same_iteration
     # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
     # before the update; see sdp.nonfinite): stop (write nonfinite_step_N.json and fail,
     # keeping the last good checkpoint), skip (drop the update; stop after max_nonfinite_skips
     # such steps) or off (no check: saves a 2-element all-reduce per step).
-    on_nonfinite: str = "stop"
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
     max_nonfinite_skips: int = 10
 
 
@@ -69,10 +82,6 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
     for key in ("checkpoint_every", "stop_at_step"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
-    if cfg.protocol not in PROTOCOLS:
-        raise ConfigError("trainer.protocol", cfg.protocol, f"allowed: {', '.join(PROTOCOLS)}")
-    if cfg.on_nonfinite not in POLICIES:
-        raise ConfigError("trainer.on_nonfinite", cfg.on_nonfinite, f"allowed: {', '.join(POLICIES)}")
     if cfg.max_nonfinite_skips < 0:
         raise ConfigError("trainer.max_nonfinite_skips", cfg.max_nonfinite_skips, "must be >= 0")
     if cfg.keep_checkpoints < 1:
@@ -85,8 +94,6 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
         raise ConfigError("trainer.eval_batch_size", cfg.eval_batch_size, "must be >= 1 or null")
     if cfg.grad_clip < 0:
         raise ConfigError("trainer.grad_clip", cfg.grad_clip, "must be >= 0 (0: no clipping)")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError("trainer.device", cfg.device, "allowed: auto, cpu, cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", cfg.device, "CUDA is not available here; allowed: auto, cpu")
     per_step = world_size * cfg.grad_accum_steps

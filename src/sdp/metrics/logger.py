@@ -6,19 +6,28 @@ import json
 import secrets
 import sys
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.redact import redact, redact_text, secret_values
 
-LOGGERS = ("wandb", "none")
-WANDB_MODES = ("offline", "online", "disabled")
+
+class Logger(StrEnum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | none
-    mode: str = "offline"  # offline | online | disabled
+    name: Logger = Logger.wandb
+    mode: WandbMode = WandbMode.offline
     project: str = "sdp"
     entity: str | None = None
     group: str | None = None
@@ -31,10 +40,6 @@ class LoggerConfig:
 
 
 def validate_logger(cfg: LoggerConfig) -> None:
-    if cfg.name not in LOGGERS:
-        raise ConfigError("logger.name", cfg.name, f"allowed: {', '.join(LOGGERS)}")
-    if cfg.mode not in WANDB_MODES:
-        raise ConfigError("logger.mode", cfg.mode, f"allowed: {', '.join(WANDB_MODES)}")
     for key in ("init_timeout_s", "finish_timeout_s"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"logger.{key}", getattr(cfg, key), "must be > 0 (seconds)")

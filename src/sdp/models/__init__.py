@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from sdp.errors import ConfigError
-from sdp.models.loss import LOSSES
+from sdp.models.loss import Loss
 
 
 @dataclass
@@ -35,7 +35,7 @@ class LlamaConfig:
     # The loss: chunked computes the LM head and the cross-entropy loss_chunk_tokens tokens at a
     # time (no full-size fp32 logits in the forward or backward; see sdp.models.loss); full
     # makes every token's logits at once.
-    loss: str = "chunked"
+    loss: Loss = Loss.chunked
     loss_chunk_tokens: int = 1024
 
 
@@ -85,8 +85,6 @@ def validate_model(cfg: ModelConfig) -> None:
             raise ConfigError("model.num_heads", cfg.num_heads, f"must divide model.hidden_size={cfg.hidden_size}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError("model.num_kv_heads", cfg.num_kv_heads, f"must divide model.num_heads={cfg.num_heads}")
-        if cfg.loss not in LOSSES:
-            raise ConfigError("model.loss", cfg.loss, f"allowed: {', '.join(LOSSES)}")
         if cfg.loss_chunk_tokens < 1:
             raise ConfigError("model.loss_chunk_tokens", cfg.loss_chunk_tokens, "must be >= 1")
     elif isinstance(cfg, ResNetConfig):

@@ -12,12 +12,19 @@ one chunk's logits at a time. The price is the head's matrix product once more
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-LOSSES = ("full", "chunked")
+
+class Loss(StrEnum):
+    """model.loss: full makes every token's logits at once; chunked loss_chunk_tokens at a time."""
+
+    full = "full"
+    chunked = "chunked"
 
 
 def _chunk_loss_sum(head: nn.Module, hidden_CD: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,35 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 
-PARALLELISMS = ("ddp", "fsdp")
-AC_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16")
+
+class Parallelism(StrEnum):
+    ddp = "ddp"
+    fsdp = "fsdp"  # FSDP2
+
+
+class Checkpointing(StrEnum):
+    """parallelism.activation_checkpointing, per block."""
+
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
 
 
 @dataclass
 class ParallelConfig:
-    name: str = "ddp"  # ddp | fsdp (FSDP2)
-    backend: str = "auto"  # auto | gloo | nccl
+    name: Parallelism = Parallelism.ddp
+    backend: Backend = Backend.auto
     bucket_cap_mb: float = 25  # MiB
     # SDP: average gradients in buckets launched during the backward (post-accumulate-grad
     # hooks, one global launch order) and overlap backward masking's weight refresh with the
@@ -41,11 +62,11 @@ class ParallelConfig:
     comm_group_overhead_mb: float = 688.0
     # Refuse a run whose busiest rank would join more process groups than this (world included).
     max_comm_groups: int = 16
-    activation_checkpointing: str = "none"  # none | full | selective, per block
+    activation_checkpointing: Checkpointing = Checkpointing.none
     # torch.compile every block's forward (sdp.parallel.compile); None: on CUDA, not on CPU.
     compile: bool | None = None
     # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
-    mixed_precision: str = "fp32"
+    mixed_precision: Precision = Precision.fp32
     reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
     # fsdp with SDP masking: F, the ranks that shard each SDP worker's subnetwork
     # (K = world_size / F workers). Unused by plain FSDP, which shards over all ranks.
@@ -64,14 +85,6 @@ def validate_parallel(
     masking: str = "none",
     world_size: int = 1,
 ) -> None:
-    if cfg.name not in PARALLELISMS:
-        raise ConfigError("parallelism.name", cfg.name, f"allowed: {', '.join(PARALLELISMS)}")
-    if cfg.activation_checkpointing not in AC_MODES:
-        raise ConfigError(
-            "parallelism.activation_checkpointing", cfg.activation_checkpointing, f"allowed: {', '.join(AC_MODES)}"
-        )
-    if cfg.mixed_precision not in PRECISIONS:
-        raise ConfigError("parallelism.mixed_precision", cfg.mixed_precision, f"allowed: {', '.join(PRECISIONS)}")
     if cfg.fsdp_degree < 1:
         raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
     if cfg.fsdp_degree > 1 and not (cfg.name == "fsdp" and masking in ("backward", "forward")):
@@ -95,8 +108,6 @@ def validate_parallel(
                 cfg.fsdp_degree,
                 f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
             )
-    if cfg.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError("parallelism.backend", cfg.backend, "allowed: auto, gloo, nccl")
     if cfg.bucket_cap_mb <= 0:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
     if cfg.comm_group_overhead_mb < 0:

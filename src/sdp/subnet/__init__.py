@@ -9,14 +9,25 @@ holders only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from sdp.errors import ConfigError
-from sdp.subnet.mask import CONSTRUCTIONS
-from sdp.subnet.units import GRANULARITIES
+from sdp.subnet.mask import Construction
+from sdp.subnet.units import Granularity
 
-SDP_MASKINGS = ("backward", "forward")
-# none: DDP; dropout / stochastic_depth: DDP with SDP's units dropped at random (sdp.baselines).
-MASKINGS = ("none", *SDP_MASKINGS, "dropout", "stochastic_depth")
+
+class Masking(StrEnum):
+    """masking.name. none: DDP; backward, forward: SDP; dropout / stochastic_depth: DDP with
+    SDP's units dropped at random (sdp.baselines)."""
+
+    none = "none"
+    backward = "backward"
+    forward = "forward"
+    dropout = "dropout"
+    stochastic_depth = "stochastic_depth"
+
+
+SDP_MASKINGS = (Masking.backward, Masking.forward)
 
 
 def is_sdp(masking: str) -> bool:
@@ -24,15 +35,19 @@ def is_sdp(masking: str) -> bool:
     return masking in SDP_MASKINGS
 
 
-SCALES = ("auto", "inverse_coverage", "eval_coverage", "none")
+class Scale(StrEnum):
+    auto = "auto"
+    inverse_coverage = "inverse_coverage"
+    eval_coverage = "eval_coverage"
+    none = "none"
 
 
 @dataclass
 class MaskingConfig:
-    name: str = "none"  # none | backward | forward
-    granularity: str = "neuron"  # neuron | block
+    name: Masking = Masking.none
+    granularity: Granularity = Granularity.neuron
     coverage: float = 1.0  # fraction of units each worker holds
-    construction: str = "cyclic"  # cyclic | random
+    construction: Construction = Construction.cyclic
     seed: int = 0  # the mask's seed (random construction), the same on every rank
     # Forward masking's rescaling, so that the full model used for evaluation sees
     # activations of the size the subnetworks were trained with:
@@ -41,7 +56,7 @@ class MaskingConfig:
     #   eval_coverage:    training unscaled; in evaluation each unit site's output x C,
     #                     as stochastic depth scales a block by its survival rate at test time;
     #   none;  auto: inverse_coverage for neurons, eval_coverage for blocks.
-    scale: str = "auto"
+    scale: Scale = Scale.auto
     # Forward masking: before each evaluation, recompute the assembled model's
     # BatchNorm statistics on this many training batches per rank (averaged over
     # ranks). Each holder measured its units' statistics inside its own
@@ -56,16 +71,10 @@ class MaskingConfig:
 
 def validate_masking(cfg: MaskingConfig) -> None:
     """Checks on the masking values alone (the mask itself is checked against the model before launch)."""
-    if cfg.name not in MASKINGS:
-        raise ConfigError("masking.name", cfg.name, f"allowed: {', '.join(MASKINGS)}")
     if not 0.0 < cfg.coverage <= 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "must be in (0, 1]")
     if cfg.name == "none" and cfg.coverage != 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "masking=none holds every unit: coverage must be 1.0")
-    if cfg.granularity not in GRANULARITIES:
-        raise ConfigError("masking.granularity", cfg.granularity, f"allowed: {', '.join(GRANULARITIES)}")
-    if cfg.construction not in CONSTRUCTIONS:
-        raise ConfigError("masking.construction", cfg.construction, f"allowed: {', '.join(CONSTRUCTIONS)}")
     if cfg.bn_recalibration_batches < 0:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
@@ -74,8 +83,6 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError(
             "masking.resample_every", cfg.resample_every, f"masking={cfg.name} has no mask to resample: must be 0"
         )
-    if cfg.scale not in SCALES:
-        raise ConfigError("masking.scale", cfg.scale, f"allowed: {', '.join(SCALES)}")
 
 
 def resolved_scale(cfg: MaskingConfig) -> str:

@@ -29,12 +29,19 @@ workers. Epoch 0 is the fixed mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
 from sdp.errors import ConfigError
 
-CONSTRUCTIONS = ("cyclic", "random")
+
+class Construction(StrEnum):
+    cyclic = "cyclic"  # balanced: every chunk of units has the same number of holders
+    random = "random"
+
+
+CONSTRUCTIONS = tuple(Construction)
 
 
 def holders_per_unit(coverage: float, num_workers: int) -> int:

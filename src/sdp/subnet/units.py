@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -24,7 +25,15 @@ from torch import nn
 from sdp.errors import ConfigError
 from sdp.models import blocks
 
-GRANULARITIES = ("neuron", "block")
+
+class Granularity(StrEnum):
+    """masking.granularity: a unit is one hidden unit / head / channel, or a whole block."""
+
+    neuron = "neuron"
+    block = "block"
+
+
+GRANULARITIES = tuple(Granularity)
 
 
 @dataclass(frozen=True)
