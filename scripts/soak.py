@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from sdp.rundir import METRICS
 from sdp.sweep import execute, plan
 
 BASE = [
@@ -46,7 +47,7 @@ def checks(jobs: list[dict], failing_index: int, root: Path) -> list[tuple[bool,
     out.append((len(done) == len(others), f"{len(done)} of {len(others)} healthy jobs completed"))
     finite = 0
     for job in done:
-        records = [json.loads(line) for line in (Path(job["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (Path(job["run_dir"]) / METRICS).read_text().splitlines()]
         finite += all(math.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
     out.append((finite == len(done), f"{finite} of {len(done)} completed jobs logged only finite losses"))
     bad = next(j for j in jobs if j["index"] == failing_index)
