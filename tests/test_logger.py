@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,23 +15,18 @@ from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, RunLogger
 
 
+def _logger(cfg: LoggerConfig, where: Path, *, active: bool = True, **kwargs) -> RunLogger:
+    """A run's logger writing into `where` (its metrics.jsonl and W&B's files)."""
+    return RunLogger(cfg, run_dir=where, metrics=where / "metrics.jsonl", run_name="r", active=active, **kwargs)
+
+
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     cfg = LoggerConfig(name="wandb", mode="offline", project="sdp-test", group="g", tags=["t"])
-    first = RunLogger(
-        cfg, run_dir=tmp_path, metrics=tmp_path / "metrics.jsonl", run_name="r", config={"a": 1}, active=True
-    )
+    first = _logger(cfg, tmp_path, config={"a": 1})
     first.log({"step": 1, "train_loss": 2.0})
     first.close()
     assert first.wandb_id and len(first.wandb_id) == 8
-    again = RunLogger(
-        cfg,
-        run_dir=tmp_path,
-        metrics=tmp_path / "metrics.jsonl",
-        run_name="r",
-        config={"a": 1},
-        active=True,
-        resume_id=first.wandb_id,
-    )
+    again = _logger(cfg, tmp_path, config={"a": 1}, resume_id=first.wandb_id)
     again.log({"step": 2, "train_loss": 1.0})
     again.close()
     assert again.wandb_id == first.wandb_id
@@ -48,14 +44,7 @@ def test_a_wandb_failure_never_stops_the_run(tmp_path, monkeypatch, capsys):
         raise RuntimeError("no network")
 
     monkeypatch.setattr(wandb, "init", broken)
-    logger = RunLogger(
-        LoggerConfig(mode="online"),
-        run_dir=tmp_path,
-        metrics=tmp_path / "metrics.jsonl",
-        run_name="r",
-        config={},
-        active=True,
-    )
+    logger = _logger(LoggerConfig(mode="online"), tmp_path, config={})
     logger.log({"step": 1, "train_loss": 2.0})
     logger.summary({"status": "completed"})
     logger.close()
@@ -64,9 +53,7 @@ def test_a_wandb_failure_never_stops_the_run(tmp_path, monkeypatch, capsys):
 
 
 def test_only_rank_0_writes(tmp_path):
-    logger = RunLogger(
-        LoggerConfig(), run_dir=tmp_path, metrics=tmp_path / "metrics.jsonl", run_name="r", config={}, active=False
-    )
+    logger = _logger(LoggerConfig(), tmp_path, config={}, active=False)
     logger.log({"step": 1})
     logger.summary({"status": "completed"})
     logger.close()
@@ -107,11 +94,7 @@ def test_every_wandb_call_failing_warns_once_and_redacted(tmp_path, monkeypatch,
             raise RuntimeError("down")
 
     monkeypatch.setattr(wandb, "init", lambda *args, **kwargs: BrokenRun())
-    _short_run(
-        RunLogger(
-            LoggerConfig(), run_dir=tmp_path, metrics=tmp_path / "metrics.jsonl", run_name="r", config={}, active=True
-        )
-    )
+    _short_run(_logger(LoggerConfig(), tmp_path, config={}))
     (warning,) = _warnings(capsys.readouterr().err)
     assert warning.startswith("warning: W&B log failed") and key not in warning and "<redacted>" in warning
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
@@ -138,9 +121,7 @@ def test_the_end_of_a_run_waits_for_wandb_at_most_finish_timeout(tmp_path, monke
 
     monkeypatch.setattr(wandb, "init", init)
     cfg = LoggerConfig(finish_timeout_s=7)
-    _short_run(
-        RunLogger(cfg, run_dir=tmp_path, metrics=tmp_path / "metrics.jsonl", run_name="r", config={}, active=True)
-    )
+    _short_run(_logger(cfg, tmp_path, config={}))
     assert seen["settings"].finish_timeout == 7 and seen["settings"].finish_timeout_raises
     (warning,) = _warnings(capsys.readouterr().err)
     assert warning.startswith("warning: W&B finish failed, what was not uploaded stays in") and "wandb sync" in warning
@@ -169,14 +150,7 @@ def test_an_unreachable_wandb_server_costs_at_most_the_init_timeout(wandb_online
     key = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_API_KEY", key)
     start = time.perf_counter()
-    logger = RunLogger(
-        LoggerConfig(mode="online", init_timeout_s=3),
-        run_dir=wandb_online,
-        metrics=wandb_online / "metrics.jsonl",
-        run_name="r",
-        config={},
-        active=True,
-    )
+    logger = _logger(LoggerConfig(mode="online", init_timeout_s=3), wandb_online, config={})
     assert time.perf_counter() - start < 15
     _short_run(logger)
     err = capsys.readouterr().err
@@ -187,14 +161,7 @@ def test_an_unreachable_wandb_server_costs_at_most_the_init_timeout(wandb_online
 
 def test_online_without_an_api_key_continues_without_wandb(wandb_online, capsys):
     start = time.perf_counter()
-    logger = RunLogger(
-        LoggerConfig(mode="online"),
-        run_dir=wandb_online,
-        metrics=wandb_online / "metrics.jsonl",
-        run_name="r",
-        config={},
-        active=True,
-    )
+    logger = _logger(LoggerConfig(mode="online"), wandb_online, config={})
     assert time.perf_counter() - start < 15
     _short_run(logger)
     (warning,) = _warnings(capsys.readouterr().err)
