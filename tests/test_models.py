@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from sdp.config import typed_config
-from sdp.models import build_model, count_params
+from sdp.errors import ConfigError
+from sdp.models import build_model, build_on_meta, count_params
 
 # (model option, dataset option, stated parameters: exact)
 STATED = [
@@ -48,3 +49,23 @@ def test_swin_runs_at_32px():
     _, cfg = typed_config(["model=swin_tiny", "dataset=cifar100"])
     model = build_model(cfg.model)
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
+
+
+def test_a_shape_the_library_refuses_is_one_config_error_naming_the_model(monkeypatch):
+    import sdp.models
+
+    cfg = typed_config(["model=swin_tiny", "dataset=synthetic_image"])[1].model
+    assert build_on_meta(cfg).patch_embed.proj.weight.is_meta
+
+    class UpstreamError(ValueError):
+        __module__ = "timm.layers"
+
+    def refuse(_cfg):
+        raise UpstreamError("window_size 7 does not divide\n   the feature map 8")
+
+    monkeypatch.setattr(sdp.models, "build_model", refuse)
+    with pytest.raises(ConfigError) as info:
+        build_on_meta(cfg)
+    assert str(info.value) == (
+        "model='swin_tiny': timm refused its shape: UpstreamError: window_size 7 does not divide the feature map 8"
+    )

@@ -3,9 +3,13 @@
 import dataclasses
 import json
 
+import pytest
+
+from sdp.errors import ConfigError
 from sdp.rundir import (
     SUMMARY,
     Summary,
+    check_writable,
     choose_run_dir,
     read_summary,
     run_status,
@@ -68,3 +72,14 @@ def test_json_is_replaced_whole(tmp_path):
     write_json_atomic(path, {"b": 1, "a": [1, 2]})
     write_json_atomic(path, {"c": 2})
     assert json.loads(path.read_text()) == {"c": 2} and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+def test_a_run_dir_is_checked_writable_without_leaving_anything(tmp_path):
+    (tmp_path / "file").write_text("x")
+    check_writable("run_dir", tmp_path)  # an existing dir
+    check_writable("run_dir", tmp_path / "a" / "b")  # one to create
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probes are gone, nothing was made
+    with pytest.raises(ConfigError, match=r"^run_dir='.*/file': is a file, not a directory$"):
+        check_writable("run_dir", tmp_path / "file")
+    with pytest.raises(ConfigError, match=r"^output_root='.*/file/x': cannot be created: .*/file is a file$"):
+        check_writable("output_root", tmp_path / "file" / "x")

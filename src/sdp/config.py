@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sdp.data import DataConfig, data_vocab_size, validate_data
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, validate_logger
-from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, validate_model
+from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, build_on_meta, validate_model
 from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
 from sdp.subnet import MaskingConfig, is_sdp, validate_masking
@@ -225,9 +225,11 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         masking=cfg.masking.name,
         world_size=world_size,
     )
-    if is_sdp(cfg.masking.name):
+    if is_sdp(cfg.masking.name):  # builds the model on the meta device, as below
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
         validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=cfg.trainer.max_steps)
+    else:
+        build_on_meta(cfg.model)  # a shape the model's library refuses: one line, before any process group
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)

@@ -75,6 +75,10 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume
 
     A torchrun restart (--max-restarts) of a launch without run_dir finds the run dir its
     first attempt created by the job's rendezvous id (launch.json)."""
+    if cfg.run_dir:
+        rundir.check_writable("run_dir", Path(cfg.run_dir))
+    else:
+        rundir.check_writable("output_root", Path(cfg.output_root))
     if not cfg.run_dir:
         cfg.run_dir = rundir.elastic_run_dir(cfg.output_root)
         if not cfg.run_dir:

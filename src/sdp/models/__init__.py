@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from sdp.errors import ConfigError
@@ -78,13 +79,34 @@ FAMILIES: dict[str, type] = {"llama": LlamaConfig, "resnet": ResNetConfig, "swin
 FAMILY_KIND = {"llama": "text", "resnet": "image", "swin": "image"}
 
 
+LLAMA_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "vocab_size",
+    "max_seq_len",
+)
+
+
 def validate_model(cfg: ModelConfig) -> None:
     """Shape constraints the upstream constructors would otherwise fail on deep inside."""
     if isinstance(cfg, LlamaConfig):
+        for key in LLAMA_SIZES:
+            if getattr(cfg, key) < 1:
+                raise ConfigError(f"model.{key}", getattr(cfg, key), "must be >= 1")
         if cfg.hidden_size % cfg.num_heads:
             raise ConfigError("model.num_heads", cfg.num_heads, f"must divide model.hidden_size={cfg.hidden_size}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError("model.num_kv_heads", cfg.num_kv_heads, f"must divide model.num_heads={cfg.num_heads}")
+        if (cfg.hidden_size // cfg.num_heads) % 2:
+            raise ConfigError(
+                "model.hidden_size",
+                cfg.hidden_size,
+                f"gives an odd head dimension, hidden_size / num_heads = {cfg.hidden_size // cfg.num_heads}: "
+                "rotary position embeddings need an even one",
+            )
         if cfg.loss_chunk_tokens < 1:
             raise ConfigError("model.loss_chunk_tokens", cfg.loss_chunk_tokens, "must be >= 1")
     elif isinstance(cfg, ResNetConfig):
@@ -112,6 +134,21 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
         return build_swin(cfg)
     raise ConfigError("model.family", getattr(cfg, "family", None), f"allowed: {', '.join(FAMILIES)}")
+
+
+def build_on_meta(cfg: ModelConfig) -> nn.Module:
+    """The plain model on the meta device (no memory, no initialisation cost), built before any
+    process group so that a shape its library refuses ends in one ConfigError, not a traceback
+    (transformers, timm and torchvision check more than `validate_model` can know)."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the library raises, reported as one line
+        library = (type(err).__module__ or "").split(".")[0] or "the model library"
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:400]
+        raise ConfigError("model", cfg.name, f"{library} refused its shape: {type(err).__name__}: {reason}") from None
 
 
 def block_type(family: str) -> type:

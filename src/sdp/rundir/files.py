@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
 from sdp import dist
+from sdp.errors import ConfigError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -40,6 +42,26 @@ def choose_run_dir(*, run_dir: str | None, output_root: str, name: str) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def check_writable(key: str, path: Path) -> None:
+    """Before anything is written: `path` is a directory this process can write in, or one it
+    can create; else one ConfigError naming `key`. It probes by making (and removing) a
+    directory in the nearest existing one, which is what the run will do: permissions, a
+    read-only file system or a pseudo one (/proc) all show up, and nothing is left behind."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(key, str(path), "is a file, not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(key, str(path), f"cannot be created: {parent} is a file")
+    probe = parent / f".sdp-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        raise ConfigError(key, str(path), f"cannot be created or written in: {err.strerror} (in {parent})") from None
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
-from sdp.models import blocks, build_model
+from sdp.models import blocks, build_on_meta
 from sdp.optim import rebind
 from sdp.parallel import ParallelConfig, Strategy, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
@@ -118,8 +118,7 @@ def _too_many_groups(model: nn.Module, cfg: MaskingConfig, *, family: str, worke
 def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=None, steps: int = 0) -> None:
     """Check the mask against the model before launch (the model is built on the meta device),
     and the process groups it needs against parallelism.max_comm_groups."""
-    with torch.device("meta"):
-        model = build_model(model_cfg)
+    model = build_on_meta(model_cfg)
     spec, mask = plan_mask(model, cfg, family=model_cfg.family, world_size=world_size)
     refusal = _too_many_groups(
         model, cfg, family=model_cfg.family, workers=world_size, parallel=parallel or ParallelConfig(), steps=steps
