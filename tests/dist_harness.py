@@ -523,7 +523,8 @@ def loss_check(build) -> dict:
     }
 
 
-LOSS_MASKINGS = {
+# DDP and every SDP masking mode x granularity at C = 0.5 (the loss and compile checks).
+MASKING_CASES = {
     "ddp": None,
     **{
         f"{m}-{g}": MaskingConfig(name=m, granularity=g, coverage=0.5)
@@ -540,7 +541,7 @@ def loss_checks() -> dict:
                 "llama", masking, CommCounter(), autocast=autocast, loss_chunk=chunk
             )
         )
-        for name, masking in LOSS_MASKINGS.items()
+        for name, masking in MASKING_CASES.items()
         for dtype, autocast in (("fp32", None), ("bf16", torch.bfloat16))
         if dtype == "fp32" or name in ("ddp", "backward-neuron", "forward-block")  # bf16: one of each path
     }
@@ -674,16 +675,6 @@ def compile_check(family: str, masking: MaskingConfig | None, *, backend: str, b
     }
 
 
-COMPILE_CASES = {
-    "ddp": None,
-    **{
-        f"{m}-{g}": MaskingConfig(name=m, granularity=g, coverage=0.5)
-        for m in ("backward", "forward")
-        for g in ("neuron", "block")
-    },
-}
-
-
 def compile_checks() -> dict:
     """Every masking mode x granularity of the tiny LLaMA and ResNet, compiled with dynamo and
     AOTAutograd (`aot_eager`: the graphs inductor would be given, run by torch's own kernels,
@@ -691,13 +682,13 @@ def compile_checks() -> dict:
     out = {
         f"{family}-{name}": compile_check(family, masking, backend="aot_eager")
         for family in ("llama", "resnet")
-        for name, masking in COMPILE_CASES.items()
+        for name, masking in MASKING_CASES.items()
     }
     out["llama-fsdp"] = compile_check("llama", None, backend="aot_eager", fsdp=True)
     out["llama-fsdp-bf16"] = compile_check("llama", None, backend="aot_eager", fsdp=True, autocast=torch.bfloat16)
     for name in ("ddp", "forward-neuron", "backward-neuron"):
         out[f"llama-{name}-bf16"] = compile_check(
-            "llama", COMPILE_CASES[name], backend="aot_eager", autocast=torch.bfloat16
+            "llama", MASKING_CASES[name], backend="aot_eager", autocast=torch.bfloat16
         )
     return out
 

@@ -96,9 +96,6 @@ class StepClock:
             self.steps += self._pending
         self._since, self._pending = None, 0
 
-    def step_time(self) -> float | None:
-        return self.seconds / self.steps if self.steps else None
-
 
 def count_flops(run_step) -> tuple[torch.Tensor, int]:
     """Run `run_step()` under the FLOP counter; returns its loss and the FLOPs it ran.
@@ -213,8 +210,9 @@ class Meter:
     def end(self, step: int, *, resampled: bool) -> None:
         """After a step (and its resample): close its timings, and measure the bytes per rank
         after the first step and after a resample's (a new subnetwork's) first step."""
-        self.comm.end_step(timed=self.timed(step))
-        self.clock.end(timed=self.timed(step))
+        timed = self.timed(step)
+        self.comm.end_step(timed=timed)
+        self.clock.end(timed=timed)
         if self._measure_memory:
             self.memory = _elementwise_max(self.memory, self.strategy.memory(self.optimizer))
         self._measure_memory = resampled
