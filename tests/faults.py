@@ -6,6 +6,8 @@ FAULT is one of
     none           no fault;
     kill:R:S       rank R sends itself SIGKILL right after its S-th optimizer step, in the
                    job's first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a dead node would;
+    stop:R:S       rank R sends itself SIGSTOP right after its S-th optimizer step (first attempt
+                   only), as a hung rank would, after writing the time into ./stopped_at;
     enospc:R:S     rank R's part of the checkpoint of step S fails with 'No space left on
                    device' after part of the file reached the disk;
     nan:R:S        rank R's training loss is NaN in its S-th optimizer step.
@@ -17,6 +19,8 @@ import errno
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -31,7 +35,7 @@ def arm(fault: str) -> None:
     if int(os.environ["RANK"]) != int(rank):
         return
     step = int(step)
-    if kind == "kill":
+    if kind in ("kill", "stop"):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return  # the restarted attempt runs clean
         real_step, calls = sdp.trainer.train_step, [0]
@@ -40,7 +44,9 @@ def arm(fault: str) -> None:
             loss = real_step(*args, **kwargs)
             calls[0] += 1
             if calls[0] == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "stop":
+                    Path("stopped_at").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
             return loss
 
         sdp.trainer.train_step = step_then_die

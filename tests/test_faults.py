@@ -1,9 +1,14 @@
 """Faults in real multi-process runs (tests/faults.py arms them): a rank killed under
-torchrun --max-restarts, a full disk during a checkpoint, a damaged newest checkpoint,
-a NaN loss (stop, then resume skipping it). Each must end where an uninterrupted run ends."""
+torchrun --max-restarts, a hung rank, a full disk during a checkpoint, a damaged newest
+checkpoint, a NaN loss (stop, then resume skipping it). Each must end where an uninterrupted
+run ends."""
 
 import json
+import os
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +75,53 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint(tmp_path, reference):
     (run_dir,) = out.iterdir()
     summary, _ = read_run(run_dir)
     assert summary["status"] == "completed" and summary["resumed_from"] == 4  # 1 step lost, interval 2
+    assert_same_run(run_dir, reference)
+
+
+def stamped_stderr(cmd: list[str], *, cwd: Path, until: str, limit_s: float) -> tuple[list[tuple[float, str]], int]:
+    """Launch `cmd` in a session of its own and collect its stderr lines with the time each
+    arrived, until a line starts with `until` (or `limit_s` passes); then kill the whole
+    session (a stopped rank too) and return the lines and the exit code."""
+    pipes = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=job_env(), text=True, start_new_session=True, **pipes)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None and not any(x.startswith(until) for _, x in lines):
+        time.sleep(0.2)
+    time.sleep(1.0)  # what follows the line (torchrun's report of the exits)
+    os.killpg(proc.pid, signal.SIGKILL)
+    rc = proc.wait()
+    reader.join(timeout=10)
+    return lines, rc
+
+
+def test_a_hung_rank_ends_the_job_with_one_error_and_a_resumable_checkpoint(tmp_path, reference):
+    # Rank 1 stops (SIGSTOP) right after step 5: rank 0 waits in the next collective for
+    # parallelism.timeout_s, then exits with one line; the checkpoint of step 4 resumes.
+    run_dir = tmp_path / "run"
+    cmd = torchrun_command(2, str(FAULTS), "stop:1:5", *RUN, f"run_dir={run_dir}", "parallelism.timeout_s=20")
+    lines, _ = stamped_stderr(cmd, cwd=tmp_path, until="error: ", limit_s=180)
+    stopped = float((tmp_path / "stopped_at").read_text())
+    ours = [(t, line.strip()) for t, line in lines if line.startswith("error: ")]
+    assert len(ours) == 1, "".join(line for _, line in lines)[-3000:]
+    (at, error), text = ours[0], "".join(line for _, line in lines)
+    assert "Traceback" not in text
+    # torchrun closes the job when it sees a worker fail: rank 0 had exited, within the bound.
+    exited = [t for t, line in lines if "closing signal SIGTERM" in line]
+    assert exited and exited[0] - stopped < 20 + 15, text[-3000:]
+    assert error.startswith("error: rank 1 stopped responding: rank 0 got no reply within parallelism.timeout_s=20 in ")
+    assert "; the last checkpoint, step 4, is kept: the same command resumes from it" in error, error
+    assert at - stopped >= 20  # it waited for the timeout, no less
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "failed" and f"error: {summary['error']}" == error
+    assert [c.step for c in complete_checkpoints(run_dir)][-1] == 4
+    # The same command (no fault) resumes from step 4 and ends where the uninterrupted run ends.
+    proc = launch([*RUN, f"run_dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["resumed_from"] == 4
     assert_same_run(run_dir, reference)
 
 

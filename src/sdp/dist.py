@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
+import time
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
+
+# The job's store, kept for the roll call after a collective fails (it outlives the group).
+_CONTROL: dist.Store | None = None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -101,8 +110,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(world: World, *, backend: str, device: torch.device | None = None) -> None:
+def init_process_group(
+    world: World, *, backend: str, device: torch.device | None = None, timeout_s: float = 1800.0
+) -> None:
     """Join the job's process group; a single process outside torchrun gets a group of one.
+
+    `timeout_s` (parallelism.timeout_s) bounds every collective of every group, the ones
+    made later included (SDP's holder sets, FSDP's mesh): a rank that stops responding
+    makes the others fail after it instead of after torch's default (10 to 30 minutes).
 
     With NCCL on a known device the world communicator is made at once (`device_id`), and
     torch then splits every later group (SDP's holder sets) from it instead of bootstrapping
@@ -112,18 +127,70 @@ def init_process_group(world: World, *, backend: str, device: torch.device | Non
     outlives the attempts; its keys are prefixed with the attempt, or a restarted rank can
     read the address a dead rank of the attempt before published and fail to connect (seen
     with gloo in 2 of 5 restarts, and one hang)."""
+    global _CONTROL
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(_free_port())
+    timeout = timedelta(seconds=timeout_s)
+    # Groups made without a timeout of their own (by new_group, or a DeviceMesh) take torch's
+    # default; it is this run's from here on.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     eager = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, **eager)
-        return
-    store, rank, size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size))
+    store, rank, size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size, timeout=timeout))
+    prefix = f"sdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     dist.init_process_group(
-        backend=backend, store=dist.PrefixStore(f"sdp/attempt_{attempt}", store), rank=rank, world_size=size, **eager
+        backend=backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size, timeout=timeout, **eager
     )
+    _CONTROL = dist.PrefixStore(f"{prefix}/control", store)
+
+
+# How a collective that lost a peer fails: gloo's timeouts and closed connections, NCCL's
+# watchdog and aborted communicators.
+_LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|communicator was aborted", re.I)
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def failed_collective(err: BaseException) -> str | None:
+    """When `err` is a collective that timed out or lost a peer: which collective, and where
+    this package issued or waited for it ("all_reduce (from sdp.subnet.sync.GradSync.wait)");
+    None for any other error."""
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    api = next((f.f_code.co_name for f in frames if f.f_code.co_filename == c10d.__file__), None)
+    message = str(err)
+    lost = isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and _LOST_PEER.search(message) and (api or re.search("gloo|nccl", message, re.I))
+    )
+    if not lost:
+        return None
+    ours = [f for f in frames if Path(f.f_code.co_filename).resolve().is_relative_to(_PACKAGE)]
+    ours = [f for f in ours if Path(f.f_code.co_filename).resolve() != Path(__file__).resolve()] or ours
+    where = ""
+    if ours:
+        path = Path(ours[-1].f_code.co_filename).resolve().relative_to(_PACKAGE.parent).with_suffix("")
+        where = f"{'.'.join(path.parts)}.{ours[-1].f_code.co_qualname}"
+    if api:
+        return f"{api} (from {where})" if where else api
+    return f"a wait for a collective (in {where})" if where else "a collective"
+
+
+def roll_call(world: World, *, wait_s: float) -> list[int] | None:
+    """After a collective failed on this rank, through the job's store (no collective): report
+    it, and wait up to `wait_s` for every other rank to report one too. Returns the ranks that
+    reported (this one included), in order; None when the store cannot be reached."""
+    if _CONTROL is None:
+        return None
+    keys = [f"failed/{r}" for r in range(world.world_size)]
+    try:
+        _CONTROL.set_timeout(timedelta(seconds=max(wait_s, 1.0)))
+        _CONTROL.set(keys[world.rank], "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            reported = [r for r, key in enumerate(keys) if _CONTROL.check([key])]
+            if len(reported) == world.world_size or time.monotonic() >= deadline:
+                return reported
+            time.sleep(0.2)
+    except (RuntimeError, dist.DistError):
+        return None
 
 
 def destroy_process_group() -> None:

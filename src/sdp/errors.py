@@ -26,3 +26,12 @@ class ConfigError(ValueError):
 class RunFailed(RuntimeError):
     """A failure after launch that the run has diagnosed (a NaN step, no intact checkpoint):
     every rank raises it, and the entrypoint reports it as one line with exit code 3."""
+
+
+class PeerLost(RunFailed):
+    """A collective that timed out or lost a peer (a hung or dead rank). Every rank that is
+    still responding raises it; the lowest of them (`reporter`) prints it and writes summary.json."""
+
+    def __init__(self, message: str, *, reporter: bool):
+        super().__init__(message)
+        self.reporter = reporter

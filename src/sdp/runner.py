@@ -22,12 +22,13 @@ from sdp.checkpoint import (
     Resume,
     check_resume,
     choose_checkpoint,
+    complete_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
 from sdp.config import RunConfig, load_config
 from sdp.data import DataBundle, build_data, prepare_data
-from sdp.errors import ConfigError, RunFailed
+from sdp.errors import ConfigError, PeerLost, RunFailed
 from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
@@ -52,6 +53,7 @@ RESUME_MAY_CHANGE = (
     "trainer.keep_checkpoints",
     "trainer.on_nonfinite",
     "trainer.max_nonfinite_skips",
+    "parallelism.timeout_s",
 )
 
 
@@ -147,8 +149,8 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
     checkpoint of `resume`; rank 0 writes the run dir, and its summary.json however the run ends."""
     device = dist.select_device(cfg.trainer.device, world, share=cfg.parallelism.backend == "gloo")
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
-    dist.init_process_group(world, backend=backend, device=device)
-    summary, logger = _new_summary(cfg, world=world, device=device), None
+    dist.init_process_group(world, backend=backend, device=device, timeout_s=cfg.parallelism.timeout_s)
+    summary, logger, reporter = _new_summary(cfg, world=world, device=device), None, world.is_main
     try:
         ckpt = pick_checkpoint(resume, world=world)
         start_step = ckpt.step if ckpt else 0
@@ -179,15 +181,50 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         summary.status = "interrupted"
         raise
     except Exception as err:
-        summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
-        raise
+        collective = dist.failed_collective(err)
+        if collective is None:
+            summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
+            raise
+        lost = peer_lost(collective, err, world=world, timeout_s=cfg.parallelism.timeout_s, run_dir=summary.run_dir)
+        summary.status, summary.error, reporter = "failed", str(lost), lost.reporter
+        raise lost from err
     finally:
         if logger is not None:
-            if world.is_main:
+            if reporter:
                 rundir.write_summary(Path(summary.run_dir), summary)
             logger.summary(summary.to_json())
             logger.close(exit_code=0 if summary.status == "completed" else 1)
         dist.destroy_process_group()
+
+
+# How long the ranks whose collective failed wait for each other's reports (a hung rank sends none).
+ROLL_CALL_S = 5.0
+
+
+def peer_lost(collective: str, err: BaseException, *, world: dist.World, timeout_s: float, run_dir) -> PeerLost:
+    """The one-line diagnosis of a collective that timed out or lost a peer: which collective,
+    which ranks did not report the failure too (the hung ones, as far as the job's store
+    knows), and the checkpoint a restart resumes from. The lowest rank that reports it is the
+    one that prints it and writes summary.json."""
+    reported = dist.roll_call(world, wait_s=ROLL_CALL_S)
+    silent = [r for r in range(world.world_size) if reported is not None and r not in reported]
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped responding"
+    else:
+        who = "a rank stopped responding or left the job"
+    timed_out = "time" in str(err).lower()
+    cause = f"got no reply within parallelism.timeout_s={timeout_s:g}" if timed_out else "lost its connection to a peer"
+    found = complete_checkpoints(Path(run_dir)) if run_dir else []
+    kept = (
+        f"the last checkpoint, step {found[-1].step}, is kept: the same command resumes from it, "
+        "and so does torchrun --max-restarts"
+        if found
+        else "no checkpoint was written yet"
+    )
+    return PeerLost(
+        f"{who}: rank {world.rank} {cause} in {collective}; {kept}",
+        reporter=reported is None or reported[0] == world.rank,
+    )
 
 
 def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> Summary:
@@ -367,7 +404,8 @@ def main(overrides: list[str]) -> int:
     try:
         summary = run(raw, cfg, world, resume=resume)
     except RunFailed as err:  # diagnosed (and in summary.json once it exists): one line, no traceback
-        dist.print0(world, redact_text(f"error: {err}"), file=sys.stderr)
+        if err.reporter if isinstance(err, PeerLost) else world.is_main:
+            print(redact_text(f"error: {err}"), file=sys.stderr, flush=True)
         return 3
     if world.is_main:
         print_result(summary)

@@ -71,6 +71,10 @@ class ParallelConfig:
     # fsdp with SDP masking: F, the ranks that shard each SDP worker's subnetwork
     # (K = world_size / F workers). Unused by plain FSDP, which shards over all ranks.
     fsdp_degree: int = 1
+    # The process-group timeout: a collective that gets no reply for this long fails on every
+    # rank still responding, with one error naming it. Long enough for the slowest legitimate
+    # wait (a checkpoint of a large model, the first step's compilation on one rank).
+    timeout_s: float = 1800.0
 
 
 def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
@@ -112,6 +116,8 @@ def validate_parallel(
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
     if cfg.comm_group_overhead_mb < 0:
         raise ConfigError("parallelism.comm_group_overhead_mb", cfg.comm_group_overhead_mb, "must be >= 0")
+    if not cfg.timeout_s > 0:
+        raise ConfigError("parallelism.timeout_s", cfg.timeout_s, "must be > 0 (seconds)")
     if cfg.max_comm_groups < 1:
         raise ConfigError("parallelism.max_comm_groups", cfg.max_comm_groups, "must be >= 1 (the world's group)")
 
