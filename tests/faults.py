@@ -10,11 +10,15 @@ FAULT is one of
                    only), as a hung rank would, after writing the time into ./stopped_at;
     enospc:R:S     rank R's part of the checkpoint of step S fails with 'No space left on
                    device' after part of the file reached the disk;
-    nan:R:S        rank R's training loss is NaN in its S-th optimizer step.
+    nan:R:S        rank R's training loss is NaN in its S-th optimizer step;
+    recut          not a fault, a probe: right after a resume's load, the state the ranks now
+                   hold is gathered back into plain coordinates and saved (rank 0) to
+                   ./recut.pt, to be compared with the checkpoint it was cut from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import signal
@@ -24,12 +28,25 @@ from pathlib import Path
 
 import torch
 
+import sdp.runner
 import sdp.trainer
 from sdp import train
 
 
 def arm(fault: str) -> None:
     if fault == "none":
+        return
+    if fault == "recut":
+        real_load = sdp.runner.load_checkpoint
+
+        def load_then_gather(ckpt, *, strategy, optimizer, world, **kwargs):
+            measured = real_load(ckpt, strategy=strategy, optimizer=optimizer, world=world, **kwargs)
+            state = strategy.portable_state(optimizer)  # collective
+            if world.is_main:
+                torch.save(dataclasses.asdict(state), "recut.pt")
+            return measured
+
+        sdp.runner.load_checkpoint = load_then_gather
         return
     kind, rank, step = fault.split(":")
     if int(os.environ["RANK"]) != int(rank):

@@ -4,7 +4,6 @@ state is refused. The multi-process faults (a killed rank, NaNs) are in test_fau
 
 import errno
 import json
-import types
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from torch import nn
 
 from sdp import dist
 from sdp.checkpoint import check_resume, choose_checkpoint, complete_checkpoints, load_checkpoint, save_checkpoint
+from sdp.metrics.comm import CommCounter
+from sdp.parallel import DDPStrategy, ParallelConfig
 
 CONFIG = {"model": {"name": "tiny"}, "trainer": {"max_steps": 10}}
 WORLD = dist.World(rank=0, local_rank=0, world_size=1)
@@ -25,7 +26,7 @@ def _trainer(seed: int = 0, width: int = 8):
     model(torch.randn(4, width)).sum().backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    strategy = types.SimpleNamespace(model=model, replicated_state=False, settle=lambda: None, after_load=lambda: None)
+    strategy = DDPStrategy(model, ParallelConfig(), device=CPU, comm=CommCounter(CPU))
     return strategy, optimizer, scheduler
 
 
@@ -45,7 +46,7 @@ def _save(run_dir, step, trainer, keep=2):
 
 
 def _choose(run_dir):
-    return choose_checkpoint(check_resume(run_dir, CONFIG, world_size=1), world=WORLD)
+    return choose_checkpoint(check_resume(run_dir, CONFIG), world=WORLD)
 
 
 def test_a_checkpoint_has_a_manifest_of_its_files(tmp_path, group):
@@ -99,7 +100,7 @@ def test_no_intact_checkpoint_refuses_the_resume_naming_each_damage(tmp_path, gr
         ckpt is None and "has 0 bytes" in problems[0] and "step_00000002/meta.json has no file manifest" in problems[1]
     )
     with pytest.raises(RunFailed, match=r"run_dir holds no intact checkpoint to resume from \(step_00000004/rank"):
-        pick_checkpoint(check_resume(tmp_path, CONFIG, world_size=1), world=WORLD)
+        pick_checkpoint(check_resume(tmp_path, CONFIG), world=WORLD)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, group, monkeypatch, capsys):
@@ -127,7 +128,7 @@ def test_a_diverged_state_is_not_saved(tmp_path, group, capsys):
     trainer = _trainer()
     _save(tmp_path, 2, trainer)
     with torch.no_grad():
-        trainer[0].model[0].weight[0, 0] = float("nan")
+        trainer[0].plain[0].weight[0, 0] = float("nan")
     assert _save(tmp_path, 4, trainer) is None
     assert "0.weight is not finite" in capsys.readouterr().err
     assert [c.step for c in complete_checkpoints(tmp_path)] == [2]
@@ -148,9 +149,13 @@ def test_a_checkpoint_loads_bitwise_and_refuses_another_shape(tmp_path, group):
     ckpt = complete_checkpoints(tmp_path)[-1]
     assert ckpt.path == ckpt_dir
     strategy, optimizer, scheduler = _trainer(seed=2)
-    load_checkpoint(ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=WORLD, device=CPU)
+    load = dict(world=WORLD, device=CPU, seed=0)
+    load_checkpoint(ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, **load)
     for a, b in zip(saved[0].model.parameters(), strategy.model.parameters(), strict=True):
         assert torch.equal(a, b)
+    for a, b in zip(saved[1].state.values(), optimizer.state.values(), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert optimizer.param_groups[0]["lr"] == saved[1].param_groups[0]["lr"]
     wider = _trainer(width=16)
-    with pytest.raises(RuntimeError, match=r"0.weight is \(8, 8\) torch.float32 there and \(16, 16\)"):
-        load_checkpoint(ckpt, strategy=wider[0], optimizer=wider[1], scheduler=wider[2], world=WORLD, device=CPU)
+    with pytest.raises(RuntimeError, match=r"does not fit this run's model: .*size mismatch for 0.weight"):
+        load_checkpoint(ckpt, strategy=wider[0], optimizer=wider[1], scheduler=wider[2], **load)

@@ -1,5 +1,7 @@
 """Process groups: which ranks pay which communicators, counted before launch."""
 
+import functools
+
 import pytest
 import torch
 from conftest import estimator_config
@@ -90,3 +92,11 @@ def test_the_estimator_adds_each_communicator_to_its_peak(overrides, groups):
     assert est["comm_groups"] == groups
     assert est["comm_group_bytes"] == groups * 688 * 2**20
     assert est["peak_with_comm_groups_bytes"] == est["peak_bytes"] + est["comm_group_bytes"]
+
+
+def test_a_very_long_resampled_run_is_counted_without_visiting_every_epoch(llama_1b):
+    # 10^12 steps with a new random mask every step: once every set of r workers has been
+    # drawn, later epochs add none, so the count stops there (it used to visit every epoch).
+    cfg = MaskingConfig(name="forward", coverage=0.5, construction="random", resample_every=1)
+    count = functools.partial(planned_comm_groups, llama_1b, cfg, family="llama", workers=4)
+    assert count(steps=10**12) == count(steps=200) == [1 + 3] * 4  # C(4, 2) = 6 sets, 3 with each worker

@@ -23,26 +23,18 @@ def test_errors_that_are_not_a_lost_peer_are_left_alone(err):
     assert dist.failed_collective(raised(err)) is None
 
 
-def test_a_lost_peer_is_named_by_the_collective_and_the_place_that_issued_it(group):
+def test_a_lost_peer_is_named_by_the_collective_and_the_place_that_issued_it(group, monkeypatch):
     assert dist.failed_collective(raised(tdist.DistBackendError("NCCL communicator was aborted"))) == "a collective"
     gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation")
     assert dist.failed_collective(raised(gloo)) == "a collective"
+
     # From inside a real collective: the API this package called, and where.
-    assert dist.failed_collective(raised_in_broadcast()) == "broadcast_object_list (from sdp.dist.broadcast_object)"
-
-
-def raised_in_broadcast() -> BaseException:
-    """A gloo timeout raised from inside torch.distributed's broadcast, called by sdp.dist."""
-    real = tdist.distributed_c10d.ProcessGroup.broadcast
-
-    def fail(*args, **kwargs):
+    def timed_out(*args, **kwargs):
         raise RuntimeError("[gloo] Timed out waiting 20000ms for send operation to complete")
 
-    tdist.distributed_c10d.ProcessGroup.broadcast = fail
-    try:
-        return raised_from(lambda: dist.broadcast_object(1))
-    finally:
-        tdist.distributed_c10d.ProcessGroup.broadcast = real
+    monkeypatch.setattr(tdist.distributed_c10d, "broadcast", timed_out)  # what broadcast_object_list calls
+    err = raised_from(lambda: dist.broadcast_object(1))
+    assert dist.failed_collective(err) == "broadcast_object_list (from sdp.dist.broadcast_object)"
 
 
 def raised_from(fn) -> BaseException:

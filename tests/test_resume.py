@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -59,27 +60,32 @@ def _fake_checkpoint(run_dir, *, step: int, config: dict, world_size: int = 2, c
     d = run_dir / "checkpoints" / f"step_{step:08d}"
     d.mkdir(parents=True)
     if complete:
-        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "config": config}))
+        meta = {"step": step, "format": 2, "world_size": world_size, "config": config}
+        (d / "meta.json").write_text(json.dumps(meta))
 
 
 def test_resume_checks_name_what_is_wrong(tmp_path):
     config = {"trainer": {"max_steps": 6, "lr": 1e-3}, "model": {"name": "llama_tiny"}}
-    assert check_resume(tmp_path, config, world_size=2) is None  # nothing there: a new run
+    assert check_resume(tmp_path, config) is None  # nothing there: a new run
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="without a complete checkpoint"):
-        check_resume(tmp_path, config, world_size=2)
+        check_resume(tmp_path, config)
     _fake_checkpoint(tmp_path, step=4, config=config)
     _fake_checkpoint(tmp_path, step=6, config=config, complete=False)  # a launch died while writing it
-    assert [c.step for c in check_resume(tmp_path, config, world_size=2).candidates] == [4]
+    assert [c.step for c in check_resume(tmp_path, config).candidates] == [4]
     changed = {**config, "trainer": {"max_steps": 6, "lr": 2e-3}}
     with pytest.raises(ConfigError) as info:
-        check_resume(tmp_path, changed, world_size=2)
+        check_resume(tmp_path, changed)
     assert str(info.value).startswith("run_dir") and "trainer.lr: 0.001 -> 0.002" in str(info.value)
-    with pytest.raises(ConfigError, match="checkpointed with 2 processes, this launch has 4"):
-        check_resume(tmp_path, config, world_size=4)
+    assert [c.step for c in check_resume(tmp_path, config).candidates] == [4]  # any world size: it is re-cut
+    _fake_checkpoint(tmp_path, step=8, config=config)
+    (tmp_path / "checkpoints" / "step_00000008" / "meta.json").write_text(json.dumps({"step": 8, "config": config}))
+    with pytest.raises(ConfigError, match=r"holds checkpoints of format 1, this version reads format 2"):
+        check_resume(tmp_path, config)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000008")
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
     with pytest.raises(ConfigError, match="completed run"):
-        check_resume(tmp_path, config, world_size=2)
+        check_resume(tmp_path, config)
 
 
 def test_first_difference_and_metrics_truncation(tmp_path):

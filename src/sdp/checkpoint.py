@@ -9,13 +9,20 @@ a complete one. A failed write (a full disk) removes the partial directory and
 keeps the checkpoints before it. Older complete checkpoints are removed once a
 newer one is complete (`trainer.keep_checkpoints`).
 
-Each rank saves what it holds, as plain local tensors: its model tensors (its
-FSDP shards, its SDP subnetwork's held slices), its optimizer state, the lr
-schedule, its RNG streams and the step. The data position and the mask epoch
-follow from the step. A resume therefore needs the same config and world size
-(checked before any process group starts) and restores every tensor in place,
-so the resumed run continues bit for bit. Under DDP every rank holds the same
-state: rank 0 alone writes it and every rank reads that file.
+A checkpoint is portable: it holds the run's state in the plain model's
+coordinates (`sdp.parallel.PortableState`: every model tensor whole, every
+parameter's optimizer state whole, gathered from the holders as a mask resample
+gathers it), so it does not depend on the world size or on how the strategy
+cut the model. Every rank writes every world_size-th tensor of it (by sorted
+name), with its own RNG streams and measurements; rank 0's file also holds the
+step, the lr schedule and the optimizer's scalar state and settings. A resume
+reads all the files and the strategy cuts its pieces from them, as after a
+mask resample: on the same world size it continues bit for bit (each rank gets
+its RNG streams back); on another one (a node lost, a job grown) every tensor
+and every unit's optimizer state is carried exactly to its new holders, and the
+RNG streams are drawn anew from (seed, rank, step). The data position, the lr
+schedule and the mask epoch follow from the step. The config must be the same
+(checked before any process group starts).
 
 Before loading, the ranks check the newest checkpoint's files against its
 manifest (each rank a share of the files); a damaged one is skipped, with a
@@ -39,12 +46,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from sdp import dist
 from sdp.dist import local
 from sdp.errors import ConfigError
+from sdp.parallel import PortableState
 from sdp.rundir import CHECKPOINTS, METRICS, run_status, write_json_atomic
+
+# meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -102,12 +112,13 @@ class Resume:
     problems: list[str]
 
 
-def check_resume(run_dir: Path, config: dict, *, world_size: int, restarted: bool = False) -> Resume | None:
+def check_resume(run_dir: Path, config: dict, *, restarted: bool = False) -> Resume | None:
     """Before any process group starts: the checkpoints this launch may resume from (None: a
     new run), or one ConfigError when the run dir cannot be started or resumed with this config.
 
     `restarted`: this launch is a torchrun restart of the job that made the run dir; if that
-    job died before its first checkpoint, it starts again from step 0 (no candidates)."""
+    job died before its first checkpoint, it starts again from step 0 (no candidates). The
+    world size may differ from the checkpoint's (the config was validated for this one)."""
     if run_status(run_dir) == "completed":  # a damaged summary is rewritten by the resumed run
         raise ConfigError("run_dir", str(run_dir), "holds a completed run; choose a new run_dir")
     problems: list[str] = []
@@ -129,17 +140,18 @@ def check_resume(run_dir: Path, config: dict, *, world_size: int, restarted: boo
         raise ConfigError(
             "run_dir", str(run_dir), f"holds a run with another config ({diff}); resume with the same settings"
         )
-    if newest.meta.get("world_size") != world_size:
+    if newest.meta.get("format") != FORMAT:
         raise ConfigError(
             "run_dir",
             str(run_dir),
-            f"was checkpointed with {newest.meta.get('world_size')} processes, this launch has {world_size}; "
-            "resume with the same --nproc_per_node x nodes",
+            f"holds checkpoints of format {newest.meta.get('format', 1)}, this version reads format {FORMAT} "
+            "(portable across world sizes); resume it with the version that wrote it (commit 0eae61f or "
+            "earlier), or start a new run_dir",
         )
 
     # Older checkpoints of the same run are fallbacks only if they agree as well.
     def agrees(c: Checkpoint) -> bool:
-        return c.meta.get("world_size") == world_size and not first_difference(c.meta.get("config"), config)
+        return c.meta.get("format") == FORMAT and not first_difference(c.meta.get("config"), config)
 
     return Resume(candidates=[c for c in reversed(found) if agrees(c)], problems=problems)
 
@@ -210,17 +222,6 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _to_local(obj):
-    """Nested containers with every tensor replaced by this rank's local part, detached, on the host."""
-    if isinstance(obj, torch.Tensor):
-        return local(obj).detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_local(v) for v in obj)
-    return obj
-
-
 def _finite(t: torch.Tensor) -> bool:
     t = local(t)
     return not t.is_floating_point() or bool(torch.isfinite(t).all())
@@ -285,9 +286,10 @@ def save_checkpoint(
             error = f"rank 0: {_describe(err)}"
     error = dist.broadcast_object(error)
     entries: dict[str, dict] = {}
+    portable = strategy.portable_state(optimizer)  # collective: every rank, whatever happened above
     if error is None:
         try:
-            state = _rank_state(step, strategy, optimizer, scheduler, world=world, device=device, measured=measured)
+            state = _rank_state(step, portable, scheduler, world=world, device=device, measured=measured)
             entries[_file(tmp, world.rank).name] = _write(state, _file(tmp, world.rank))
         except Exception as err:  # noqa: BLE001 - reported to every rank below, then training goes on
             error = f"rank {world.rank}: {_describe(err)}"
@@ -295,7 +297,14 @@ def save_checkpoint(
     errors = [e for _, e in parts if e]
     if world.is_main and not errors:
         files = {name: entry for part, _ in parts for name, entry in part.items()}
-        meta = {"step": step, "world_size": world.world_size, "config": config, "files": files, **(extra_meta or {})}
+        meta = {
+            "step": step,
+            "format": FORMAT,
+            "world_size": world.world_size,
+            "config": config,
+            "files": files,
+            **(extra_meta or {}),
+        }
         errors += _commit(tmp, final, meta)
     errors = dist.broadcast_object(errors)
     if errors:
@@ -317,22 +326,30 @@ def save_checkpoint(
     return final
 
 
-def _rank_state(step: int, strategy, optimizer, scheduler, *, world: dist.World, device, measured) -> dict:
-    """What this rank saves: everything it holds, or under replicated state (DDP) on ranks
-    other than 0 only what is its own (RNG streams, measurements)."""
-    if not (world.is_main or not strategy.replicated_state):
-        return {"rng": _rng_state(device), "measured": measured}
-    diverged = [n for n, t in strategy.model.state_dict().items() if not _finite(t)]
+def _share(names, world: dist.World) -> list[str]:
+    """The names whose tensors this rank writes: every world_size-th, in sorted order."""
+    return sorted(names)[world.rank :: world.world_size]
+
+
+def _rank_state(step: int, state: PortableState, scheduler, *, world: dist.World, device, measured) -> dict:
+    """What this rank writes: its share of the portable state, its RNG streams and measurements,
+    and on rank 0 what is said once (the step, the lr schedule, the optimizer's scalar state and
+    settings). A diverged (non-finite) tensor is refused: a checkpoint is always a good one."""
+    model = {n: state.model[n] for n in _share(state.model, world)}
+    diverged = [n for n, t in model.items() if not _finite(t)]
     if diverged:
         raise ValueError(f"{diverged[0]} is not finite: a diverged state is not saved")
-    return {
+    params = _share({n for per in state.optim.values() for n in per}, world)
+    out = {
         "step": step,
-        "model": _to_local(strategy.model.state_dict()),
-        "optimizer": _to_local(optimizer.state_dict()),
-        "scheduler": scheduler.state_dict(),
+        "model": model,
+        "optim": {key: {n: per[n] for n in params if n in per} for key, per in state.optim.items()},
         "rng": _rng_state(device),
         "measured": measured,
     }
+    if world.is_main:
+        out.update(scheduler=scheduler.state_dict(), scalars=state.scalars, groups=state.groups)
+    return out
 
 
 def _commit(tmp: Path, final: Path, meta: dict) -> list[str]:
@@ -383,49 +400,48 @@ class Checkpointer:
         }
 
 
+def read_portable(ckpt: Checkpoint) -> tuple[PortableState, list[dict]]:
+    """The portable state of a checkpoint, put together from every rank's file, and the files'
+    contents in rank order (their RNG streams and measurements)."""
+    parts = [torch.load(ckpt.path / name, map_location="cpu", weights_only=True) for name in sorted(ckpt.meta["files"])]
+    main = parts[0]
+    if int(main["step"]) != ckpt.step:
+        raise RuntimeError(f"checkpoint {ckpt.path} holds step {main['step']}, its meta.json says {ckpt.step}")
+    model = {n: t for part in parts for n, t in part["model"].items()}
+    optim = {key: {n: t for part in parts for n, t in part["optim"][key].items()} for key in main["optim"]}
+    return PortableState(model, optim, main["scalars"], main["groups"]), parts
+
+
 @torch.no_grad()
 def load_checkpoint(
-    ckpt: Checkpoint, *, strategy, optimizer: torch.optim.Optimizer, scheduler, world: dist.World, device
+    ckpt: Checkpoint, *, strategy, optimizer: torch.optim.Optimizer, scheduler, world: dist.World, device, seed: int
 ) -> dict | None:
-    """Restore this rank's model tensors, optimizer state, lr schedule and RNG streams in place
-    (to where they were after step ckpt.step); returns this rank's saved measurements."""
-    owner = 0 if strategy.replicated_state else world.rank
-    # weights_only: a checkpoint holds tensors and plain values only, so loading one never
-    # runs code from the file.
-    state = torch.load(_file(ckpt.path, owner), map_location="cpu", weights_only=True)
-    own = torch.load(_file(ckpt.path, world.rank), map_location="cpu", weights_only=True)
-    tensors = strategy.model.state_dict(keep_vars=True)
-    if tensors.keys() != state["model"].keys():
-        missing = sorted(set(tensors) ^ set(state["model"]))[:3]
-        raise RuntimeError(f"checkpoint {ckpt.path} does not match this rank's model (e.g. {missing})")
-    for name, t in tensors.items():
-        saved = state["model"][name]
-        if saved.shape != local(t).shape or saved.dtype != local(t).dtype:
-            raise RuntimeError(
-                f"checkpoint {ckpt.path}: {name} is {tuple(saved.shape)} {saved.dtype} there and "
-                f"{tuple(local(t).shape)} {local(t).dtype} in this run's model; a run resumes only "
-                "with the model, masking and parallelism it was checkpointed with"
-            )
-        local(t).copy_(saved)
-    optimizer.load_state_dict(state["optimizer"])
-    _shard_optimizer_state(optimizer)
-    strategy.after_load()
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(own["rng"], device)
-    if int(state["step"]) != ckpt.step:
-        raise RuntimeError(f"checkpoint {ckpt.path} holds step {state['step']}, its meta.json says {ckpt.step}")
-    return own.get("measured")
+    """Collective: restore the model, the optimizer state and the lr schedule of step ckpt.step,
+    cut for this rank by its strategy, on this world size or another. Returns this rank's saved
+    measurements (None on another world size: they described other ranks)."""
+    state, parts = read_portable(ckpt)
+    try:
+        strategy.load_portable_state(optimizer, state)
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise RuntimeError(
+            f"checkpoint {ckpt.path} does not fit this run's model: {' '.join(str(err).split())[:400]} (a run "
+            "resumes only with the model it was checkpointed with)"
+        ) from err
+    scheduler.load_state_dict(parts[0]["scheduler"])
+    if ckpt.meta["world_size"] == world.world_size:
+        _set_rng_state(parts[world.rank]["rng"], device)
+        return parts[world.rank].get("measured")
+    _seed_streams(seed, rank=world.rank, step=ckpt.step, device=device)
+    return None
 
 
-def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """After load_state_dict: a sharded (DTensor) parameter's state back as DTensors like it."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            st = optimizer.state.get(p, {})
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local(p).shape:
-                    st[key] = DTensor.from_local(
-                        value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                    )
+def _seed_streams(seed: int, *, rank: int, step: int, device: torch.device) -> None:
+    """This rank's RNG streams drawn anew from (seed, rank, step): a resume on another world
+    size has no saved streams for its ranks."""
+    words = np.random.SeedSequence([seed, rank, step]).generate_state(2)
+    value = int(words[0]) << 32 | int(words[1])
+    torch.manual_seed(value)
+    np.random.seed(int(words[0]))
+    random.seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)

@@ -101,3 +101,45 @@ def rebind(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], s
         raise ValueError(f"rebind needs an optimizer with one parameter group, got {len(optimizer.param_groups)}")
     optimizer.param_groups[0]["params"] = list(params)
     optimizer.state = defaultdict(dict, state)
+
+
+def state_by_name(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], convert=lambda t: t):
+    """The optimizer state of `params` (plain name -> parameter) by plain name: ({key: {name:
+    tensor}} for the state shaped like its parameter, {key: tensor} for the scalar state, which
+    is the same for every parameter (Adam's step: all of them are stepped every step)), each
+    tensor passed through `convert` (to the host, unsharded)."""
+    per_key: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if not torch.is_tensor(value):
+                continue
+            if value.shape == p.shape:
+                per_key.setdefault(key, {})[name] = convert(value)
+            elif key not in scalars:
+                scalars[key] = convert(value)
+    return per_key, scalars
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings as the lr schedule left them (its current lr among them)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def set_state(optimizer: torch.optim.Optimizer, state: dict, groups: list[dict]) -> None:
+    """Give `optimizer` this state (parameter -> {key: tensor}) and these group settings, placed
+    on the devices its own policy wants (a fused AdamW's step on the device), as
+    load_state_dict would place a saved state."""
+    if len(groups) != len(optimizer.param_groups):
+        mine = len(optimizer.param_groups)
+        raise ValueError(f"the saved optimizer has {len(groups)} parameter groups, this one {mine}")
+    index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    optimizer.load_state_dict(
+        {
+            "state": {index[p]: st for p, st in state.items()},
+            "param_groups": [
+                {**saved, "params": [index[p] for p in group["params"]]}
+                for saved, group in zip(groups, optimizer.param_groups, strict=True)
+            ],
+        }
+    )

@@ -4,6 +4,7 @@ the run ends. `sdp.train` (the entrypoint) and a sweep's Slurm tasks call `main`
 
 from __future__ import annotations
 
+import copy
 import functools
 import signal
 import sys
@@ -26,7 +27,7 @@ from sdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sdp.config import RunConfig, load_config
+from sdp.config import RunConfig, load_config, typed_config, validate
 from sdp.data import DataBundle, build_data, prepare_data
 from sdp.errors import ConfigError, PeerLost, RunFailed
 from sdp.meter import Meter
@@ -44,7 +45,9 @@ def run_name(cfg: RunConfig) -> str:
     return cfg.name or f"{cfg.model.name}-{cfg.dataset.name}-{cfg.masking.name}"
 
 
-# Settings that do not change what a run computes: a resume may change them.
+# Settings that do not change what a run computes, and parallelism.fsdp_degree, which like the
+# world size only changes K (checkpoints are portable: the state is re-cut): a resume may
+# change them.
 RESUME_MAY_CHANGE = (
     "logger",
     "trainer.progress",
@@ -54,6 +57,7 @@ RESUME_MAY_CHANGE = (
     "trainer.on_nonfinite",
     "trainer.max_nonfinite_skips",
     "parallelism.timeout_s",
+    "parallelism.fsdp_degree",
 )
 
 
@@ -70,7 +74,7 @@ def resume_config(raw: DictConfig) -> dict:
     return config
 
 
-def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume | None:
+def check_run_dir(cfg: RunConfig, raw: DictConfig) -> Resume | None:
     """Before any process group: the checkpoints to resume from when run_dir holds some (and
     the config matches), None for a new run; a completed run, or one that cannot be resumed,
     is refused with one error and nothing written so far is touched.
@@ -86,7 +90,7 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig, *, world_size: int) -> Resume
         if not cfg.run_dir:
             return None
     run_dir = Path(cfg.run_dir)
-    return check_resume(run_dir, resume_config(raw), world_size=world_size, restarted=rundir.restarted_job(run_dir))
+    return check_resume(run_dir, resume_config(raw), restarted=rundir.restarted_job(run_dir))
 
 
 class StopSignals:
@@ -124,6 +128,49 @@ def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World,
         start_batch=start_batch,
     )
     return data.train
+
+
+def resume_history(ckpt: Checkpoint | None, *, world: dist.World) -> list[dict]:
+    """The run's resumes so far (carried in its checkpoints), this launch's last."""
+    if ckpt is None:
+        return []
+    this = {"step": ckpt.step, "world_size": world.world_size, "checkpointed_with": ckpt.meta["world_size"]}
+    return [*ckpt.meta.get("resumes", []), this]
+
+
+# A refused world size lists the ones that would resume, up to twice the larger of the two.
+def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -> ConfigError | None:
+    """When a launch resumes a run dir on a world size its config does not allow (C x K not a
+    whole number, an fsdp_degree that does not divide it, a batch that does not split), the
+    refusal names run_dir and the world sizes that would resume; None otherwise."""
+    if not any(o.lstrip("+~").partition("=")[0] == "run_dir" for o in overrides):
+        return None  # no run dir to resume: nothing to compose again
+    try:
+        _, cfg = typed_config(overrides)
+    except ConfigError:
+        return None
+    found = complete_checkpoints(Path(cfg.run_dir)) if cfg.run_dir and Path(cfg.run_dir).is_dir() else []
+    before = found[-1].meta.get("world_size") if found else None
+    if not isinstance(before, int) or before == world_size:
+        return None
+
+    def fits(n: int) -> bool:
+        try:
+            validate(copy.deepcopy(cfg), world_size=n, offline=dist.hub_offline(), check_data=False)
+        except ConfigError:
+            return False
+        return True
+
+    if not fits(before):
+        return None  # the config itself changed: its own error says what is wrong
+    limit = 2 * max(before, world_size)
+    allowed = ", ".join(str(n) for n in range(1, limit + 1) if fits(n))
+    return ConfigError(
+        "run_dir",
+        cfg.run_dir,
+        f"was checkpointed with {before} processes and cannot resume on {world_size} ({err}); "
+        f"it resumes on {allowed} processes (of 1 to {limit})",
+    )
 
 
 def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint | None:
@@ -166,6 +213,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
         )
         built = _build(cfg, world=world, device=device, ckpt=ckpt)
+        summary.resumes = resume_history(ckpt, world=world)
         summary.n_params = built.strategy.full_params
         summary.throughput_unit = "tokens/s" if built.data.kind == "text" else "samples/s"
         summary.strategy.update(built.strategy.describe())
@@ -302,9 +350,11 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
     measured = None
     if ckpt:
         measured = load_checkpoint(
-            ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device
+            ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device, seed=cfg.seed
         )
-        dist.print0(world, f"resumed from {ckpt.path} (step {start_step})")
+        before = ckpt.meta["world_size"]
+        resized = f", re-cut from {before} processes for {world.world_size}" if before != world.world_size else ""
+        dist.print0(world, f"resumed from {ckpt.path} (step {start_step}{resized})")
     return Built(data, micro, comm, strategy, optimizer, scheduler, measured)
 
 
@@ -331,7 +381,7 @@ def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, r
         device=device,
         config=resume_config(raw),
         keep=tcfg.keep_checkpoints,
-        extra_meta={"wandb_id": logger.wandb_id},
+        extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes},
     )
     seq_len = cfg.dataset.seq_len if built.data.kind == "text" else 1
     meter = Meter(
@@ -387,13 +437,22 @@ def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, r
     )
 
 
+def preflight(overrides: list[str], world: dist.World) -> tuple[DictConfig, RunConfig, Resume | None]:
+    """Every check before any process group: the config for this world size, then the run dir
+    (what it resumes from); one ConfigError naming a key when the input is bad. Writes nothing."""
+    try:
+        raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
+        return raw, cfg, check_run_dir(cfg, raw)
+    except ConfigError as err:
+        raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None
+
+
 def main(overrides: list[str]) -> int:
     """Check, then train one run on this rank; the exit code: 0 done, 2 bad input (one line,
     before any process group), 3 a diagnosed failure (one line)."""
     world = dist.world_from_env()
     try:
-        raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
-        resume = check_run_dir(cfg, raw, world_size=world.world_size)
+        raw, cfg, resume = preflight(overrides, world)
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
         if not world.is_main:

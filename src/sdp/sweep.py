@@ -117,7 +117,7 @@ def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0) -> lis
         else:
             try:
                 raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
-                runner.check_run_dir(cfg, raw, world_size=nproc)
+                runner.check_run_dir(cfg, raw)
             except ConfigError as err:
                 status, error = "invalid", str(err)
         out.append(Job(i, job, str(run_dir), status, error))

@@ -90,8 +90,27 @@ LLAMA_SIZES = (
 )
 
 
+# More blocks than any model trained here has (the deepest LLaMA has 126 layers): a larger
+# count is a typo, and building it (on the meta device, before launch) would never end.
+MAX_BLOCKS = 4096
+
+
+def _block_count(cfg: ModelConfig) -> tuple[str, object, int] | None:
+    """(key, value, blocks) of the setting that decides how many blocks the model has."""
+    if isinstance(cfg, LlamaConfig):
+        return "model.num_layers", cfg.num_layers, cfg.num_layers
+    if isinstance(cfg, ResNetConfig):
+        return "model.layers", cfg.layers, sum(cfg.layers)
+    if isinstance(cfg, SwinConfig):
+        return "model.depths", cfg.depths, sum(cfg.depths)
+    return None
+
+
 def validate_model(cfg: ModelConfig) -> None:
     """Shape constraints the upstream constructors would otherwise fail on deep inside."""
+    count = _block_count(cfg)
+    if count is not None and count[2] > MAX_BLOCKS:
+        raise ConfigError(count[0], count[1], f"gives {count[2]} blocks, more than the {MAX_BLOCKS} allowed")
     if isinstance(cfg, LlamaConfig):
         for key in LLAMA_SIZES:
             if getattr(cfg, key) < 1:

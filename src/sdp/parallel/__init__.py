@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
+from sdp.optim import hyperparameters, set_state, state_by_name
 
 
 class Parallelism(StrEnum):
@@ -45,6 +46,49 @@ class Backend(StrEnum):
     auto = "auto"
     gloo = "gloo"
     nccl = "nccl"
+
+
+@dataclass
+class PortableState:
+    """A run's trained state in the plain model's coordinates, the same whatever the world size
+    and strategy that trained it: every model tensor (parameters and buffers) by plain name,
+    every parameter's optimizer state by key and plain name, the scalar optimizer state (the
+    step count) and the optimizer's group settings. What a checkpoint holds, and what a
+    strategy re-cuts into its own pieces when it loads one."""
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]]
+    scalars: dict[str, torch.Tensor]
+    groups: list[dict]
+
+    def per_parameter(self, params: dict[str, torch.Tensor], place=lambda p, t: t) -> dict:
+        """The optimizer state of `params` (plain name -> parameter), each value passed through
+        `place` (cut into the parameter's shard); every parameter gets its own scalar copies
+        (an optimizer steps them in place)."""
+        out = {}
+        for name, p in params.items():
+            out[p] = {k: v.clone() for k, v in self.scalars.items()}
+            out[p].update({k: place(p, per_name[name]) for k, per_name in self.optim.items()})
+        return out
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """A detached host copy of `t` (never a view of the live tensor)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def rank0_buffers(model: nn.Module, full=lambda t: t) -> dict[str, torch.Tensor]:
+    """Collective: `model`'s state dict on the host, its tensors passed through `full`
+    (unsharded), its buffers as rank 0 holds them (each rank's BatchNorm statistics saw its
+    own batches; rank 0's are the ones evaluation uses)."""
+    buffers = {n for n, _ in model.named_buffers()}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in buffers:
+            t = t.detach().clone()
+            dist.broadcast(t, src=0)
+        out[name] = host(full(t))
+    return out
 
 
 @dataclass
@@ -83,6 +127,11 @@ def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
     return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and sdp else world_size
 
 
+# Communicators cost device memory (parallelism.comm_group_overhead_mb each): a rank in more
+# than this many groups is a typo of parallelism.max_comm_groups, not a plan.
+MAX_COMM_GROUPS = 4096
+
+
 def validate_parallel(
     cfg: ParallelConfig,
     *,
@@ -118,8 +167,12 @@ def validate_parallel(
         raise ConfigError("parallelism.comm_group_overhead_mb", cfg.comm_group_overhead_mb, "must be >= 0")
     if not cfg.timeout_s > 0:
         raise ConfigError("parallelism.timeout_s", cfg.timeout_s, "must be > 0 (seconds)")
-    if cfg.max_comm_groups < 1:
-        raise ConfigError("parallelism.max_comm_groups", cfg.max_comm_groups, "must be >= 1 (the world's group)")
+    if not 1 <= cfg.max_comm_groups <= MAX_COMM_GROUPS:
+        raise ConfigError(
+            "parallelism.max_comm_groups",
+            cfg.max_comm_groups,
+            f"must be in [1, {MAX_COMM_GROUPS}] (the world's group included; each is an NCCL communicator)",
+        )
 
 
 def move_to(model: nn.Module, device: torch.device) -> nn.Module:
@@ -134,8 +187,6 @@ class Strategy:
     """What the training loop needs from a data-parallel scheme."""
 
     model: nn.Module  # run forward/backward on this
-    # Every rank holds the same model and optimizer state (DDP): a checkpoint needs one copy.
-    replicated_state: bool = False
     # Autocast dtype of the forward (bf16 mixed precision without FSDP); None: fp32.
     autocast_dtype: torch.dtype | None = None
     # The model's forward computes the loss itself from `targets` (the LLaMA's; see
@@ -166,8 +217,13 @@ class Strategy:
     def after_step(self) -> None:
         """Called after every optimizer step."""
 
-    def after_load(self) -> None:
-        """Called (collectively) once a checkpoint is loaded into the model and optimizer."""
+    def portable_state(self, optimizer: torch.optim.Optimizer) -> PortableState:
+        """Collective: the trained state in plain coordinates, on the host of every rank."""
+        raise NotImplementedError
+
+    def load_portable_state(self, optimizer: torch.optim.Optimizer, state: PortableState) -> None:
+        """Collective: make `state` this rank's, cut into its pieces (a resume, on any world size)."""
+        raise NotImplementedError
 
     def settle(self) -> None:
         """Finish communication still in flight that the model's values depend on (backward
@@ -224,8 +280,6 @@ def _counting_allreduce_hook(counter, bucket):
 
 class DDPStrategy(Strategy):
     """torch DistributedDataParallel over all ranks: every rank holds and trains everything."""
-
-    replicated_state = True
 
     def __init__(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter):
         self.autocast_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else None
@@ -305,6 +359,18 @@ class DDPStrategy(Strategy):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.plain.named_parameters())
+
+    def portable_state(self, optimizer: torch.optim.Optimizer) -> PortableState:
+        # Every rank holds the same state but its own BatchNorm statistics: rank 0's are kept,
+        # the ones evaluation uses.
+        optim, scalars = state_by_name(optimizer, dict(self.plain.named_parameters()), convert=host)
+        return PortableState(rank0_buffers(self.plain), optim, scalars, hyperparameters(optimizer))
+
+    def load_portable_state(self, optimizer: torch.optim.Optimizer, state: PortableState) -> None:
+        with torch.no_grad():
+            self.plain.load_state_dict(state.model)
+        params = dict(self.plain.named_parameters())
+        set_state(optimizer, state.per_parameter(params), state.groups)
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return static_bytes(self.plain.parameters(), optimizer)

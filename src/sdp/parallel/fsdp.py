@@ -20,13 +20,15 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sdp import dist as sdp_dist
+from sdp.dist import local
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 from sdp.models import blocks
-from sdp.parallel import ParallelConfig, Strategy
+from sdp.optim import hyperparameters, set_state, state_by_name
+from sdp.parallel import ParallelConfig, PortableState, Strategy, host, rank0_buffers
 
 
 def counting_collectives(comm: CommCounter):
@@ -66,6 +68,15 @@ def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (the whole tensor, on every rank) sharded like parameter `p` when it is shaped
+    like it; scalar state (Adam's step) and values of unsharded parameters are kept whole."""
+    if not isinstance(p, DTensor) or value.shape != p.shape:
+        return value
+    # src_data_rank=None: each rank cuts its own shard from its copy, no communication.
+    return distribute_tensor(value.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None)
 
 
 class FSDPStrategy(Strategy):
@@ -120,6 +131,23 @@ class FSDPStrategy(Strategy):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: _full(p.detach()) for n, p in self.model.named_parameters()}
+
+    def portable_state(self, optimizer: torch.optim.Optimizer) -> PortableState:
+        # Gathered tensor by tensor in one order on every rank; buffers (not sharded) are rank 0's.
+        model = rank0_buffers(self.model, full=_full)
+        params = dict(self.model.named_parameters())
+        optim, scalars = state_by_name(optimizer, params, convert=lambda t: host(_full(t)))
+        return PortableState(model, optim, scalars, hyperparameters(optimizer))
+
+    @torch.no_grad()
+    def load_portable_state(self, optimizer: torch.optim.Optimizer, state: PortableState) -> None:
+        tensors = self.model.state_dict(keep_vars=True)
+        if tensors.keys() != state.model.keys():
+            other = sorted(tensors.keys() ^ state.model.keys())[:3]
+            raise RuntimeError(f"the checkpoint's model has other tensors (e.g. {other})")
+        for name, t in tensors.items():
+            local(t).copy_(local(shard_like(t, state.model[name])))
+        set_state(optimizer, state.per_parameter(dict(self.model.named_parameters()), place=shard_like), state.groups)
 
     def plain_state_dict(self, eval_model: nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded state dict under the plain model's names (collective: every rank calls it)."""

@@ -49,6 +49,9 @@ class Summary:
     steps: int | None = None
     stopped_at: int | None = None
     resumed_from: int | None = None
+    # Every resume of the run so far, in order: {"step", "world_size", "checkpointed_with"}
+    # (the world size of the launch that resumed, and of the one that wrote the checkpoint).
+    resumes: list[dict] = field(default_factory=list)
     train_loss: float | None = None
     eval_loss: float | None = None
     eval_acc: float | None = None  # image models

@@ -44,13 +44,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from sdp import dist as sdp_dist
 from sdp.dist import local
 from sdp.models import blocks
 from sdp.optim import rebind
-from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy
+from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy, shard_like
 from sdp.subnet.apply import named_tensors
 from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, sdp_dimension_sets, shard_dims
 from sdp.subnet.resample import HOST, place_state
@@ -164,17 +164,8 @@ class ShardedSDPStrategy(SDPStrategy):
         for name, unsharded in self._unsharded.items():
             p = params[name]
             full = place_state(state, scalars, by_name[name], [unsharded])[unsharded]
-            placed[p] = {k: self._shard_like(p, v) for k, v in full.items()}
+            placed[p] = {k: shard_like(p, v) for k, v in full.items()}
         rebind(optimizer, self.subnet.trainable, placed)
-
-    @staticmethod
-    def _shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` (the whole worker-level tensor on every rank) sharded like parameter `p`; scalar
-        state (Adam's step) and replicated parameters' state are kept whole."""
-        if not isinstance(p, DTensor) or value.shape != p.shape:
-            return value
-        # src_data_rank=None: each rank cuts its own shard from its copy, no communication.
-        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         # Collective within the worker: its F ranks gather every shard in the same order.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -14,8 +15,8 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 from sdp.models import blocks, build_on_meta
-from sdp.optim import rebind
-from sdp.parallel import ParallelConfig, Strategy, move_to
+from sdp.optim import hyperparameters, rebind, set_state
+from sdp.parallel import ParallelConfig, PortableState, Strategy, host, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
     apply_backward_masking,
@@ -79,12 +80,17 @@ def planned_comm_groups(
     meshed = set(sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)) if fsdp_degree > 1 else set()
     holder_sets: set[tuple[int, ...]] = {tuple(range(workers))}
     for epoch in range(epochs):
-        holder_sets |= set(mask_of(spec, cfg, world_size=workers, epoch=epoch).holder_sets())
-        if stop_above is None and epoch < epochs - 1:
+        mask = mask_of(spec, cfg, world_size=workers, epoch=epoch)
+        holder_sets |= set(mask.holder_sets())
+        # Once every set of r workers has been drawn, later epochs add none (a long run, or
+        # a typo of trainer.max_steps, need not draw them all).
+        everyone = math.comb(workers, mask.holders) + (mask.holders < workers)
+        saturated = len(holder_sets) >= everyone
+        if stop_above is None and epoch < epochs - 1 and not saturated:
             continue
         sets = [hs for hs in rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated) if hs not in meshed]
         counts = [1 + mesh + joined(sets, rank=r, world_size=world) for r in range(world)]
-        if stop_above is not None and max(counts) > stop_above:
+        if saturated or (stop_above is not None and max(counts) > stop_above):
             break
     return counts
 
@@ -277,24 +283,47 @@ class SDPStrategy(Strategy):
         if not every or step % every:
             return False
         self.settle()
-        state, scalars = gather_state(
-            self._optimizer_view(optimizer),
-            self.subnet.grad_entries,
-            self.chunks,
-            shapes=self.shapes,
-            rank=self.rank,
-            comm=self.comm,
-            bucket_cap_mb=self.bucket_cap_mb,
-            device=self.device,
-            worker=self.worker,
-            rank_space=self._rank_space,
-        )
+        state, scalars = self._gather_state(optimizer, comm=self.comm)
         full = self._current_plain_model()
         self.epoch = step // every
         self.mask = mask_of(self.spec, self.cfg, world_size=self.world_size, epoch=self.epoch)
         self._install(full)
         self._set_state(optimizer, state, scalars)
         return True
+
+    def _gather_state(self, optimizer: torch.optim.Optimizer, *, comm: CommCounter | None):
+        """Collective: every trained tensor's optimizer state in plain coordinates, on the host
+        of every rank (bytes counted as resample traffic in `comm`, when given)."""
+        return gather_state(
+            self._optimizer_view(optimizer),
+            self.subnet.grad_entries,
+            self.chunks,
+            shapes=self.shapes,
+            rank=self.rank,
+            comm=comm,
+            bucket_cap_mb=self.bucket_cap_mb,
+            device=self.device,
+            worker=self.worker,
+            rank_space=self._rank_space,
+        )
+
+    def portable_state(self, optimizer: torch.optim.Optimizer) -> PortableState:
+        # What a resample gathers (the units' state from their holders, the full model), not
+        # counted as traffic of the training steps.
+        self.settle()
+        optim, scalars = self._gather_state(optimizer, comm=None)
+        model = {n: host(t) for n, t in self._current_plain_model(counted=False).state_dict().items()}
+        return PortableState(model, optim, scalars, hyperparameters(optimizer))
+
+    @torch.no_grad()
+    def load_portable_state(self, optimizer: torch.optim.Optimizer, state: PortableState) -> None:
+        # The second half of a resample: this rank's subnetwork under the current mask (the
+        # resumed step's mask epoch, for this world size), cut from the full model and state.
+        full = self._fresh_plain()
+        full.load_state_dict(state.model)
+        self._install(full)
+        self._set_state(optimizer, state.optim, state.scalars)
+        set_state(optimizer, dict(optimizer.state), state.groups)
 
     def _optimizer_view(self, optimizer: torch.optim.Optimizer):
         """The optimizer as `gather_state` reads it: state keyed by the tensors of subnet.grad_entries."""
@@ -307,14 +336,15 @@ class SDPStrategy(Strategy):
         )
 
     @torch.no_grad()
-    def _current_plain_model(self) -> nn.Module:
-        """A plain model with the current weights and buffers, on every rank (collective)."""
+    def _current_plain_model(self, *, counted: bool = True) -> nn.Module:
+        """A plain model with the current weights and buffers, on every rank (collective); the
+        bytes sent are counted as resample traffic when `counted`."""
         if self.cfg.name == "forward":
-            return self.assemble(fold_eval_scale=False, comm_kind="resample")
+            return self.assemble(fold_eval_scale=False, comm_kind="resample" if counted else None)
         broadcast_from_holders(
             backward_buffer_sync(self.model, self.spec, self.chunks, rank=self.rank),
             rank=self.rank,
-            comm=self.comm,
+            comm=self.comm if counted else None,
             kind="resample",
             bucket_cap_mb=self.bucket_cap_mb,
             device=self.device,
@@ -372,19 +402,6 @@ class SDPStrategy(Strategy):
     def settle(self) -> None:
         if self.refresh is not None:
             self.refresh.wait_all()
-
-    def after_load(self) -> None:
-        # Backward masking checkpoints a sliced weight's held ranges only (its full tensor is not
-        # a parameter): the others come from their holders, as after every step.
-        if self.subnet.refresh:
-            broadcast_from_holders(
-                self.subnet.refresh,
-                rank=self.rank,
-                comm=None,
-                kind="weight_refresh",
-                bucket_cap_mb=self.bucket_cap_mb,
-                device=self.device,
-            )
 
     def comm_groups(self) -> int:
         return 1 + self.groups.joined(self.rank)
