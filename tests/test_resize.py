@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import job_env, launch, read_run
+from test_resume import COMMON, TINY
 
 from sdp.checkpoint import complete_checkpoints, read_portable
 from sdp.compare import torchrun_command
@@ -18,18 +19,7 @@ from sdp.models import build_on_meta
 from sdp.runner import resize_refusal
 
 FAULTS = Path(__file__).parent / "faults.py"
-RUN = [
-    "model=llama_tiny",
-    "dataset=synthetic_text",
-    "dataset.seq_len=32",
-    "trainer.global_batch_size=16",
-    "logger=none",
-    "trainer.max_steps=6",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "dataset.eval_batches=1",
-    "trainer.checkpoint_every=0",
-]
+RUN = [*TINY, *COMMON, "trainer.checkpoint_every=0"]  # llama_tiny, 6 steps, a log record per step
 MODES = {
     "ddp": [],
     # A new mask after steps 2 and 4: each resume re-cuts the state for the mask epoch of its
