@@ -53,6 +53,9 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert summary["eval_loss"] > 0 and (family == "llama" or summary["eval_acc"] > 0.1)
     assert (run_dir / "config.yaml").read_text().count("name: ddp") == 1
+    # trainer.export=hf (the default): the model out of the framework too (tests/test_export.py).
+    llama = ["hf/config.json", "hf/generation_config.json", "hf/model.safetensors"]
+    assert summary["export"] == (llama if family == "llama" else ["hf/builder.json", "hf/model.safetensors"])
 
     # Bytes are what each rank really holds: fp32 params and grads, AdamW's two
     # moments plus one step counter per parameter tensor; DDP all-reduces every gradient once.

@@ -38,6 +38,7 @@ from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact, redact_text, redact_yaml
 from sdp.rundir import Summary
+from sdp.rundir.export import export_model, exported_files
 from sdp.trainer import Evaluation, micro_batch_size, train
 
 
@@ -223,6 +224,9 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             f"{world.world_size} x {built.micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
         )
         _train(cfg, raw, built, summary, world=world, device=device, logger=logger, run_dir=run_dir, ckpt=ckpt)
+        if world.is_main and cfg.trainer.export == "hf" and (run_dir / rundir.MODEL).is_file():
+            export_model(run_dir, cfg.model)
+            summary.export = exported_files(run_dir)
         summary.status = "stopped" if summary.stopped_at else "completed"
         return summary
     except KeyboardInterrupt:

@@ -39,6 +39,14 @@ class Device(StrEnum):
     cuda = "cuda"
 
 
+class Export(StrEnum):
+    """trainer.export: hf, RUN_DIR/hf/ from model.pt in the family's standard format (a
+    transformers LlamaForCausalLM; safetensors and builder.json for vision); none."""
+
+    hf = "hf"
+    none = "none"
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
@@ -53,6 +61,9 @@ class TrainerConfig:
     # Write the final evaluated model (assembled under SDP, with its evaluation
     # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
     save_model: bool = True
+    # hf: with save_model, also RUN_DIR/hf/ (sdp.rundir.export): from_pretrained-loadable for
+    # LLaMA, safetensors and builder.json for vision; none: model.pt only.
+    export: Export = Export.hf
     # The step run under the live-tensor memory tracker (FLOPs are counted on the
     # step before it); both are left out of the timings; 0: none. Step 3 is steady
     # state: the optimizer state exists (step 1) and DDP has re-bucketed (step 2).

@@ -138,6 +138,19 @@ def validate_model(cfg: ModelConfig) -> None:
             raise ConfigError("model.patch_size", cfg.patch_size, f"must divide model.img_size={cfg.img_size}")
 
 
+def vision_builder(cfg: ModelConfig) -> dict:
+    """The library, class or name and arguments that build a vision model outside sdp."""
+    if isinstance(cfg, ResNetConfig):
+        from sdp.models.resnet import resnet_builder
+
+        return resnet_builder(cfg)
+    if isinstance(cfg, SwinConfig):
+        from sdp.models.swin import swin_builder
+
+        return swin_builder(cfg)
+    raise ValueError(f"model family {cfg.family!r} is not a vision model")
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Build the plain (unmasked, unwrapped) model on the current default device."""
     if isinstance(cfg, LlamaConfig):

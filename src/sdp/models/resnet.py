@@ -8,6 +8,28 @@ from torchvision.models.resnet import BasicBlock, ResNet
 from sdp.models import ResNetConfig
 
 
+def resnet_builder(cfg: ResNetConfig) -> dict:
+    """How to build the configured ResNet from torchvision alone (written next to an exported
+    model): ResNet(BasicBlock, layers, num_classes), then conv1 replaced by the stem below and,
+    without stem_pool, maxpool by nn.Identity()."""
+    return {
+        "library": "torchvision",
+        "class": "torchvision.models.resnet.ResNet",
+        "block": "torchvision.models.resnet.BasicBlock",
+        "layers": list(cfg.layers),
+        "num_classes": cfg.num_classes,
+        "conv1": {
+            "in_channels": 3,
+            "out_channels": 64,
+            "kernel_size": cfg.stem_kernel,
+            "stride": cfg.stem_stride,
+            "padding": cfg.stem_kernel // 2,
+            "bias": False,
+        },
+        "maxpool": "torchvision" if cfg.stem_pool else "identity",
+    }
+
+
 def build_resnet(cfg: ResNetConfig) -> ResNet:
     model = ResNet(BasicBlock, list(cfg.layers), num_classes=cfg.num_classes)
     # torchvision's stem is the ImageNet one (7x7/2 + max-pool), which shrinks a

@@ -7,20 +7,33 @@ from torch import nn
 
 from sdp.models import SwinConfig
 
+TIMM_NAME = "swin_tiny_patch4_window7_224"
+
+
+def swin_kwargs(cfg: SwinConfig) -> dict:
+    """timm.create_model's keyword arguments for the configured Swin (with TIMM_NAME)."""
+    return {
+        "pretrained": False,
+        "img_size": cfg.img_size,
+        "patch_size": cfg.patch_size,
+        "window_size": cfg.window_size,
+        "embed_dim": cfg.embed_dim,
+        "depths": list(cfg.depths),
+        "num_heads": list(cfg.num_heads),
+        "mlp_ratio": cfg.mlp_ratio,
+        "drop_path_rate": cfg.drop_path_rate,
+        "num_classes": cfg.num_classes,
+    }
+
+
+def swin_builder(cfg: SwinConfig) -> dict:
+    """How to build the configured Swin from timm alone (written next to an exported model)."""
+    return {"library": "timm", "name": TIMM_NAME, "kwargs": swin_kwargs(cfg)}
+
 
 def build_swin(cfg: SwinConfig) -> nn.Module:
     # timm clamps the window to the feature map when a late stage is smaller
     # than the window (2x2 at stage 4 for 32x32 inputs with patch 2).
-    return timm.create_model(
-        "swin_tiny_patch4_window7_224",
-        pretrained=False,
-        img_size=cfg.img_size,
-        patch_size=cfg.patch_size,
-        window_size=cfg.window_size,
-        embed_dim=cfg.embed_dim,
-        depths=tuple(cfg.depths),
-        num_heads=tuple(cfg.num_heads),
-        mlp_ratio=cfg.mlp_ratio,
-        drop_path_rate=cfg.drop_path_rate,
-        num_classes=cfg.num_classes,
-    )
+    kwargs = swin_kwargs(cfg)
+    kwargs.update(depths=tuple(kwargs["depths"]), num_heads=tuple(kwargs["num_heads"]))
+    return timm.create_model(TIMM_NAME, **kwargs)

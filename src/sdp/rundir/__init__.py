@@ -5,6 +5,7 @@ RUN_DIR/config.yaml      the resolved config (secrets redacted)          train's
         metrics.jsonl    one JSON record per log and eval step           RunLogger
         summary.json     the run's typed summary (`Summary`)             write_summary
         model.pt         the final evaluated model, a plain state dict   the trainer's evaluation
+        hf/              model.pt in the family's standard format        export_model (trainer.export)
         launch.json      the torchrun job that made the dir (restarts)   record_launch
         nonfinite_step_N.json  the diagnosis of a NaN/Inf step           sdp.nonfinite
         checkpoints/step_N/    resumable state                           sdp.checkpoint

@@ -52,6 +52,7 @@ class Summary:
     # Every resume of the run so far, in order: {"step", "world_size", "checkpointed_with"}
     # (the world size of the launch that resumed, and of the one that wrote the checkpoint).
     resumes: list[dict] = field(default_factory=list)
+    export: list[str] = field(default_factory=list)  # the files of RUN_DIR/hf/ (trainer.export)
     train_loss: float | None = None
     eval_loss: float | None = None
     eval_acc: float | None = None  # image models
