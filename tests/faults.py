@@ -7,7 +7,9 @@ FAULT is one of
     kill:R:S       rank R sends itself SIGKILL right after its S-th optimizer step, in the
                    job's first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a dead node would;
     stop:R:S       rank R sends itself SIGSTOP right after its S-th optimizer step (first attempt
-                   only), as a hung rank would, after writing the time into ./stopped_at;
+                   only), as a hung rank would, after writing the time and its pid into
+                   ./stopped_at (torchrun's worker is in a session of its own: the test
+                   kills it by that pid);
     enospc:R:S     rank R's part of the checkpoint of step S fails with 'No space left on
                    device' after part of the file reached the disk;
     nan:R:S        rank R's training loss is NaN in its S-th optimizer step;
@@ -62,7 +64,7 @@ def arm(fault: str) -> None:
             calls[0] += 1
             if calls[0] == step:
                 if kind == "stop":
-                    Path("stopped_at").write_text(repr(time.time()))
+                    Path("stopped_at").write_text(f"{time.time()!r} {os.getpid()}")
                 os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
             return loss
 

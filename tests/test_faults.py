@@ -3,6 +3,7 @@ torchrun --max-restarts, a hung rank, a full disk during a checkpoint, a damaged
 checkpoint, a NaN loss (stop, then resume skipping it). Each must end where an uninterrupted
 run ends."""
 
+import contextlib
 import json
 import os
 import signal
@@ -80,8 +81,9 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint(tmp_path, reference):
 
 def stamped_stderr(cmd: list[str], *, cwd: Path, until: str, limit_s: float) -> tuple[list[tuple[float, str]], int]:
     """Launch `cmd` in a session of its own and collect its stderr lines with the time each
-    arrived, until a line starts with `until` (or `limit_s` passes); then kill the whole
-    session (a stopped rank too) and return the lines and the exit code."""
+    arrived, until a line starts with `until` (or `limit_s` passes); then kill torchrun's
+    session (its workers have sessions of their own: the caller kills a stopped one) and
+    return the lines and the exit code."""
     pipes = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
     proc = subprocess.Popen(cmd, cwd=cwd, env=job_env(), text=True, start_new_session=True, **pipes)
     lines: list[tuple[float, str]] = []
@@ -102,8 +104,14 @@ def test_a_hung_rank_ends_the_job_with_one_error_and_a_resumable_checkpoint(tmp_
     # parallelism.timeout_s, then exits with one line; the checkpoint of step 4 resumes.
     run_dir = tmp_path / "run"
     cmd = torchrun_command(2, str(FAULTS), "stop:1:5", *RUN, f"run_dir={run_dir}", "parallelism.timeout_s=20")
-    lines, _ = stamped_stderr(cmd, cwd=tmp_path, until="error: ", limit_s=180)
-    stopped = float((tmp_path / "stopped_at").read_text())
+    record = tmp_path / "stopped_at"
+    try:
+        lines, _ = stamped_stderr(cmd, cwd=tmp_path, until="error: ", limit_s=180)
+    finally:
+        if record.exists():  # the stopped rank is in a session of its own: kill it by its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(record.read_text().split()[1]), signal.SIGKILL)
+    stopped = float(record.read_text().split()[0])
     ours = [(t, line.strip()) for t, line in lines if line.startswith("error: ")]
     assert len(ours) == 1, "".join(line for _, line in lines)[-3000:]
     (at, error), text = ours[0], "".join(line for _, line in lines)
