@@ -9,10 +9,12 @@ from sdp.runner import peer_lost
 
 
 def raised(err: BaseException) -> BaseException:
-    try:
+    """`err` as raised, with its traceback."""
+
+    def throw():
         raise err
-    except BaseException as caught:  # noqa: BLE001 - the traceback is what is tested
-        return caught
+
+    return raised_from(throw)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,7 @@ def test_a_lost_peer_is_named_by_the_collective_and_the_place_that_issued_it(gro
 
 
 def raised_from(fn) -> BaseException:
+    """What `fn()` raises, with its traceback (the traceback is what is tested)."""
     try:
         fn()
     except BaseException as caught:  # noqa: BLE001
