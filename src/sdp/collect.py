@@ -26,9 +26,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from sdp.claims import claims_markdown, points_from_cuda, points_from_memory_table, points_from_tables
 from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, read_summary
 
 GIB, MIB = 2**30, 2**20
+CLAIMS_FILE = "claims.md"
 
 
 def variant_label(summary: Summary) -> str:
@@ -150,7 +152,35 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 9, r["variant"], -r["coverage"])
         )
         tables[table] = {"rows": rows, "incomplete": incomplete[table], "kind": kinds[table]}
+        tables[table]["convergence"] = convergence(ddp, kinds[table]) if ddp else None
     return tables
+
+
+CONVERGED = 0.01  # DDP's eval metric moves by less than this (relative) over the last 20% of its steps
+
+
+def convergence(row: dict, kind: str) -> str:
+    """Whether a row's runs had converged: each run's relative change of its eval metric between
+    its last evaluation at or before 80% of its steps and its final one."""
+    metric = "eval_acc" if kind == "image" else "eval_loss"
+    changes, marks = [], set()
+    for run_dir in row["run_dirs"]:
+        path = Path(run_dir) / METRICS
+        lines = path.read_text().splitlines() if path.is_file() else []
+        evals = [(r["step"], r[metric]) for r in map(json.loads, lines) if r.get(metric) is not None]
+        earlier = [(step, value) for step, value in evals if step <= 0.8 * row["steps"]]
+        if not evals or not earlier or evals[-1][0] != row["steps"]:
+            return f"not checked: a run of {row['variant']} has no eval at both 80% and 100% of its steps"
+        (step, before), after = earlier[-1], evals[-1][1]
+        changes.append(abs(after - before) / abs(before))
+        marks.add(step)
+    verdict = "passes" if max(changes) < CONVERGED else "fails"
+    listed = ", ".join(f"{c:.1%}" for c in changes)
+    at = "/".join(map(str, sorted(marks)))
+    return (
+        f"{row['variant']}'s {metric.replace('_', ' ')} moved by {listed} (its {len(changes)} runs) between step "
+        f"{at} and step {row['steps']}: {verdict} (< {CONVERGED:.0%} in every run)"
+    )
 
 
 def _fmt(value, spec: str = ".3f", std=None) -> str:
@@ -193,6 +223,8 @@ def markdown(table: str, info: dict, *, command: str) -> str:
         "Memory is the busiest rank's: the live-tensor peak of a steady-state step and the static weights + "
         "gradients + optimizer state; *vs DDP* is the change against this table's DDP row. "
         f"Runs that did not complete: {info['incomplete']}.",
+        "",
+        f"Convergence check: {info.get('convergence') or 'no DDP row'}.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -308,8 +340,19 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def collect(roots: list[Path], out: Path, *, command: str, make_plots: bool = True) -> list[Path]:
-    """Write every table (and its plots) found under `roots` into `out`; returns the files written."""
+def collect(
+    roots: list[Path],
+    out: Path,
+    *,
+    command: str,
+    make_plots: bool = True,
+    claims: bool = False,
+    memory_table: Path | None = None,
+    cuda: tuple[Path, ...] = (),
+) -> list[Path]:
+    """Write every table (and its plots) found under `roots` into `out`, and with `claims`
+    out/claims.md (the memory claims also read `memory_table` and `cuda`, where given);
+    returns the files written."""
     tables = build_rows(find_runs(roots))
     if not tables:
         raise SystemExit(f"error: no completed run (summary.json) under {', '.join(map(str, roots))}")
@@ -325,6 +368,13 @@ def collect(roots: list[Path], out: Path, *, command: str, make_plots: bool = Tr
         written += [md, out / f"{table}.csv"]
         if make_plots:
             written += plots(table, info, out)
+    if claims:
+        memory = points_from_tables(tables, "run dirs (live-tensor peak)")
+        memory += points_from_memory_table(memory_table) if memory_table else []
+        memory += points_from_cuda(list(cuda)) if cuda else []
+        path = out / CLAIMS_FILE
+        path.write_text(claims_markdown(tables, memory, command=command))
+        written.append(path)
     return written
 
 
@@ -333,9 +383,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("roots", nargs="+", type=Path, help="directories holding run dirs (searched recursively)")
     parser.add_argument("--out", type=Path, default=Path("results/tables"))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--claims", action="store_true", help=f"also write OUT/{CLAIMS_FILE}: the paper's claims")
+    parser.add_argument("--memory-table", type=Path, help="the estimator's memory table (.csv) for the memory claims")
+    parser.add_argument("--cuda", type=Path, nargs="*", default=[], help="CUDA memory measurements (.json)")
     args = parser.parse_args(argv)
-    command = "python -m sdp.collect " + " ".join([*map(str, args.roots), "--out", str(args.out)])
-    for path in collect(args.roots, args.out, command=command, make_plots=not args.no_plots):
+    for path in [args.memory_table, *args.cuda]:
+        if path is not None and not path.is_file():
+            raise SystemExit(f"error: {path}: no such file")
+    command = "python -m sdp.collect " + " ".join(argv if argv is not None else sys.argv[1:])
+    written = collect(
+        args.roots,
+        args.out,
+        command=command,
+        make_plots=not args.no_plots,
+        claims=args.claims,
+        memory_table=args.memory_table,
+        cuda=tuple(args.cuda),
+    )
+    for path in written:
         print(f"wrote {path}")
     return 0
 
