@@ -5,8 +5,9 @@ import json
 
 import pytest
 import yaml
+from wandb_records import offline_run
 
-from sdp.collect import build_rows, collect, find_runs, variant_label
+from sdp.collect import build_rows, collect, find_runs, main, variant_label
 from sdp.rundir import Summary
 
 GIB = 2**30
@@ -108,3 +109,26 @@ def test_collect_writes_markdown_csv_and_plots(tmp_path):
 def test_no_runs_is_one_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no completed run"):
         collect([tmp_path], tmp_path / "out", command="x")
+
+
+def test_collect_logs_its_tables_plots_and_claims_to_one_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    runs = tmp_path / "runs"
+    _run(runs, "ddp")
+    _run(runs, "b-bwd", masking="backward", gran="block", coverage=0.5, acc=0.78, peak=3.0)
+    assert main([str(runs), "--out", str(tmp_path / "out"), "--claims", "--wandb", "--wandb-project", "p"]) == 0
+    import wandb
+
+    wandb.teardown()  # W&B's service process writes the run's file: let it end, as the command's exit does
+    run = offline_run(tmp_path / "out")
+    assert run["job_type"] == "tables" and run["config"]["command"].startswith("python -m sdp.collect ")
+    table = "resnet_tiny_fashion_mnist"
+    for key in (f"{table}/rows", "claims", *(f"{table}/{plot}" for plot in ("loss", "memory", "quality"))):
+        assert f"{key}/_type" in run["logged"], key
+    (rows,) = (run["dir"] / "files" / "media" / "table" / table).glob("rows_0_*.table.json")
+    logged = json.loads(rows.read_text())
+    assert logged["columns"][:3] == ["variant", "coverage", "protocol"]
+    assert [r[0] for r in logged["data"]] == ["DDP", "B-SDP backward"]
+    (claims,) = (run["dir"] / "files" / "media" / "table").glob("claims_0_*.table.json")
+    rows = json.loads(claims.read_text())["data"]
+    assert [(r[0], r[2], r[3], r[-1]) for r in rows] == [("4b", "B-SDP backward C=0.5", "DDP", "too few runs")]

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from wandb_records import offline_run
 
 from sdp.errors import ConfigError
 from sdp.sweep import expand, plan, run_sweep, split_options
@@ -42,16 +43,31 @@ def test_every_job_is_checked_before_anything_runs(tmp_path, capsys):
     assert json.loads((tmp_path / "sweep.json").read_text())[0]["status"] == "invalid"
 
 
+def test_every_job_of_a_sweep_shares_its_wandb_group(tmp_path):
+    jobs = plan([*BASE, "variant=ddp,n_sdp_forward"], root=tmp_path / "s", nproc=2)
+    assert [j.overrides[-1] for j in jobs] == ["logger.group=s", "logger.group=s"]
+    jobs = plan([*BASE, "variant=ddp,n_sdp_forward"], root=tmp_path / "s", nproc=2, name="table1")
+    assert {j.overrides[-1] for j in jobs} == {"logger.group=table1"}
+    jobs = plan([*BASE, "variant=ddp", "logger.group=mine"], root=tmp_path / "s", nproc=2, name="table1")
+    assert [o for o in jobs[0].overrides if o.startswith("logger.group")] == ["logger.group=mine"]
+
+
 @pytest.mark.dist
 def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path):
-    argv = [*BASE, "variant=ddp,n_sdp_forward", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
-    argv += ["masking.coverage=1.0"]
+    # W&B (offline): every job in the sweep's group, its variant as job_type and top-level config keys.
+    argv = [o for o in BASE if o != "logger=none"] + ["logger=wandb", "logger.mode=offline", "sweep.name=paper"]
+    argv += ["variant=ddp,n_sdp_forward", "masking.coverage=1.0", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
     assert run_sweep(argv) == 0
     jobs = json.loads((tmp_path / "sweep.json").read_text())
     assert [j["status"] for j in jobs] == ["completed", "completed"]
-    for job in jobs:
+    for job, variant in zip(jobs, ["DDP", "N-SDP forward"], strict=True):
         summary = json.loads((tmp_path / job["run_dir"].split("/")[-1] / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["steps"] == 2
+        wandb = offline_run(job["run_dir"])
+        assert (wandb["group"], wandb["job_type"]) == ("paper", variant)
+        pivot = {k: wandb["config"][k] for k in ("variant", "coverage", "protocol")}
+        assert pivot == {"variant": variant, "coverage": 1.0, "protocol": "same_iteration"}
+        assert wandb["config"]["model"]["name"] == "llama_tiny" and "train_loss" in wandb["logged"]
     assert json.loads((tmp_path / jobs[1]["run_dir"].split("/")[-1] / "summary.json").read_text())["masking"] == (
         "forward"
     )

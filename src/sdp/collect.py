@@ -26,8 +26,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from sdp.claims import claims_markdown, points_from_cuda, points_from_memory_table, points_from_tables
+from sdp.claims import (
+    claims_markdown,
+    points_from_cuda,
+    points_from_memory_table,
+    points_from_tables,
+    quality_claims,
+)
 from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, read_summary
+from sdp.rundir import variant_label as label_of
 
 GIB, MIB = 2**30, 2**20
 CLAIMS_FILE = "claims.md"
@@ -35,22 +42,14 @@ CLAIMS_FILE = "claims.md"
 
 def variant_label(summary: Summary) -> str:
     """The paper's name of a run's variant, plus the memory-saving methods stacked on it."""
-    masking = summary.masking
-    if masking == "none":
-        label = "FSDP" if summary.parallelism == "fsdp" else "DDP"
-    elif masking == "dropout":
-        label = "Dropout"
-    elif masking == "stochastic_depth":
-        label = "Stochastic depth"
-    else:
-        label = f"{'N' if summary.strategy.get('granularity') == 'neuron' else 'B'}-SDP {masking}"
-        if summary.parallelism == "fsdp":
-            label += f" x FSDP({summary.strategy.get('fsdp_degree', 1)})"
-    if summary.activation_checkpointing != "none":
-        label += " + AC"
-    if summary.mixed_precision == "bf16":
-        label += " + bf16"
-    return label
+    return label_of(
+        summary.masking,
+        granularity=summary.strategy.get("granularity"),
+        parallelism=summary.parallelism,
+        fsdp_degree=summary.strategy.get("fsdp_degree", 1),
+        activation_checkpointing=summary.activation_checkpointing,
+        mixed_precision=summary.mixed_precision,
+    )
 
 
 def find_runs(roots: list[Path]) -> list[tuple[Path, Summary]]:
@@ -349,10 +348,13 @@ def collect(
     claims: bool = False,
     memory_table: Path | None = None,
     cuda: tuple[Path, ...] = (),
+    wandb_project: str | None = None,
+    wandb_mode: str = "offline",
 ) -> list[Path]:
     """Write every table (and its plots) found under `roots` into `out`, and with `claims`
-    out/claims.md (the memory claims also read `memory_table` and `cuda`, where given);
-    returns the files written."""
+    out/claims.md (the memory claims also read `memory_table` and `cuda`, where given); with
+    `wandb_project`, log them all to one W&B run of their own (`log_to_wandb`). Returns the
+    files written."""
     tables = build_rows(find_runs(roots))
     if not tables:
         raise SystemExit(f"error: no completed run (summary.json) under {', '.join(map(str, roots))}")
@@ -375,7 +377,51 @@ def collect(
         path = out / CLAIMS_FILE
         path.write_text(claims_markdown(tables, memory, command=command))
         written.append(path)
+    if wandb_project:
+        log_to_wandb(tables, written, out=out, project=wandb_project, mode=wandb_mode, command=command)
     return written
+
+
+def log_to_wandb(tables: dict, written: list[Path], *, out: Path, project: str, mode: str, command: str) -> None:
+    """One W&B run (job_type `tables`, its files under OUT/wandb): every table as a wandb.Table
+    under `<table>/rows`, every plot as an image under `<table>/<plot>`, and the claims'
+    comparisons as the table `claims` (one row per comparison, with its verdict)."""
+    import wandb  # W&B costs seconds to import: only for --wandb
+
+    run = wandb.init(
+        project=project,
+        job_type="tables",
+        name="sdp.collect",
+        mode=mode,
+        dir=str(out),
+        config={"command": command},
+        settings=wandb.Settings(quiet=True),
+    )
+    try:
+        record = {}
+        for table, info in sorted(tables.items()):
+            record[f"{table}/rows"] = wandb.Table(
+                columns=CSV_KEYS, data=[[r.get(k) for k in CSV_KEYS] for r in info["rows"]]
+            )
+        for path in written:
+            table, _, plot = path.stem.rpartition("_")
+            if path.suffix == ".png":
+                record[f"{table}/{plot}"] = wandb.Image(str(path))
+        record["claims"] = wandb.Table(columns=CLAIM_COLUMNS, data=claim_rows(tables))
+        run.log(record, step=0)
+    finally:
+        run.finish()
+
+
+CLAIM_COLUMNS = ["claim", "table", "row", "against", "d", "se", "runs", "verdict"]
+
+
+def claim_rows(tables: dict) -> list[list]:
+    return [
+        [claim.number, c.table, c.first, c.second, c.d, c.se if math.isfinite(c.se) else None, min(c.runs), c.verdict]
+        for claim in quality_claims(tables)
+        for c in claim.comparisons
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claims", action="store_true", help=f"also write OUT/{CLAIMS_FILE}: the paper's claims")
     parser.add_argument("--memory-table", type=Path, help="the estimator's memory table (.csv) for the memory claims")
     parser.add_argument("--cuda", type=Path, nargs="*", default=[], help="CUDA memory measurements (.json)")
+    parser.add_argument("--wandb", action="store_true", help="also log the tables, plots and claims to one W&B run")
+    parser.add_argument("--wandb-project", default="sdp")
+    parser.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
     args = parser.parse_args(argv)
     for path in [args.memory_table, *args.cuda]:
         if path is not None and not path.is_file():
@@ -399,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         claims=args.claims,
         memory_table=args.memory_table,
         cuda=tuple(args.cuda),
+        wandb_project=args.wandb_project if args.wandb else None,
+        wandb_mode=args.wandb_mode,
     )
     for path in written:
         print(f"wrote {path}")

@@ -37,13 +37,26 @@ from sdp.nonfinite import NonFinitePolicy
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact, redact_text, redact_yaml
-from sdp.rundir import Summary
+from sdp.rundir import Summary, variant_label
 from sdp.rundir.export import export_model, exported_files
 from sdp.trainer import Evaluation, micro_batch_size, train
 
 
 def run_name(cfg: RunConfig) -> str:
     return cfg.name or f"{cfg.model.name}-{cfg.dataset.name}-{cfg.masking.name}"
+
+
+def pivot_keys(cfg: RunConfig) -> dict:
+    """What the tables' rows are keyed by, as top-level keys of W&B's config (its table pivots on them)."""
+    variant = variant_label(
+        cfg.masking.name,
+        granularity=cfg.masking.granularity,
+        parallelism=cfg.parallelism.name,
+        fsdp_degree=cfg.parallelism.fsdp_degree,
+        activation_checkpointing=cfg.parallelism.activation_checkpointing,
+        mixed_precision=cfg.parallelism.mixed_precision,
+    )
+    return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 
 
 # Settings that do not change what a run computes, and parallelism.fsdp_degree, which like the
@@ -210,8 +223,9 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             metrics=run_dir / rundir.METRICS,
             run_name=run_name(cfg),
             active=world.is_main,
-            config=OmegaConf.to_container(raw, resolve=True),
+            config={**pivot_keys(cfg), **OmegaConf.to_container(raw, resolve=True)},
             resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
+            job_type=pivot_keys(cfg)["variant"],
         )
         built = _build(cfg, world=world, device=device, ckpt=ckpt)
         summary.resumes = resume_history(ckpt, world=world)

@@ -17,7 +17,9 @@ into the cross product of jobs, in Hydra's order. Every job is a full
 
 Options, given as `sweep.KEY=VALUE` among the overrides:
 `sweep.nproc` (processes per node and job; default: the visible GPUs, else 1),
-`sweep.dir` (default `outputs/sweeps/<time>`), `sweep.dry_run=true` (check and
+`sweep.dir` (default `outputs/sweeps/<time>`), `sweep.name` (every job's W&B group,
+unless `logger.group=` is given; default: the sweep dir's name; each job's W&B
+job_type is its variant), `sweep.dry_run=true` (check and
 list the jobs only), `sweep.launcher`:
 
 - `torchrun` (default): here, one job after the other;
@@ -54,7 +56,18 @@ from sdp.errors import ConfigError
 from sdp.redact import redact, redact_text
 from sdp.rundir import read_summary, run_status
 
-SWEEP_KEYS = ("nproc", "dir", "dry_run", "launcher", "nodes", "partition", "timeout_min", "cpus_per_task", "wait")
+SWEEP_KEYS = (
+    "nproc",
+    "dir",
+    "dry_run",
+    "launcher",
+    "nodes",
+    "partition",
+    "timeout_min",
+    "cpus_per_task",
+    "wait",
+    "name",
+)
 LAUNCHERS = ("torchrun", "slurm", "submitit_local")
 
 
@@ -103,11 +116,14 @@ def job_dir(root: Path, index: int, job: list[str], swept: set[str]) -> Path:
     return root / f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)[:120]}"
 
 
-def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0) -> list[Job]:
+def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0, name: str | None = None) -> list[Job]:
     """Every job with its run dir, checked before anything runs (a refused job is `invalid`);
-    numbered from `start` (to append the jobs of another sweep to a plan)."""
+    numbered from `start` (to append the jobs of another sweep to a plan). Every job's W&B
+    group is the sweep's `name` (default: the sweep dir's), unless the overrides set one."""
     jobs = expand(overrides)
     swept = {o.split("=", 1)[0] for o in overrides if "," in o or "(" in o}
+    if not any(o.lstrip("+~").startswith("logger.group=") for o in overrides):
+        jobs = [[*job, f"logger.group={name or root.name}"] for job in jobs]
     out = []
     for i, job in enumerate(jobs, start):
         run_dir = job_dir(root, i, job, swept)
@@ -178,7 +194,7 @@ def run_sweep(argv: list[str]) -> int:
         if nodes > 1 and launcher != "slurm":
             raise ConfigError("sweep.nodes", nodes, "more than one node needs sweep.launcher=slurm")
         root = Path(options.get("dir") or f"outputs/sweeps/{time.strftime('%Y%m%d-%H%M%S')}")
-        jobs = plan(overrides, root=root, nproc=nproc * nodes)
+        jobs = plan(overrides, root=root, nproc=nproc * nodes, name=options.get("name"))
     except (ConfigError, ValueError) as err:
         print(redact_text(f"error: {err}"), file=sys.stderr)
         return 2

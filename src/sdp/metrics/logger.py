@@ -30,7 +30,8 @@ class LoggerConfig:
     mode: WandbMode = WandbMode.offline
     project: str = "sdp"
     entity: str | None = None
-    group: str | None = None
+    group: str | None = None  # null: the sweep's name in a sweep (sweep.name), else none
+    job_type: str | None = None  # null: the run's variant, as the tables name it (e.g. "B-SDP forward")
     tags: list[str] = field(default_factory=list)
     init_timeout_s: float = 60.0  # online: an unreachable W&B server costs the run about this long, then W&B is off
     # At the run's end, stop waiting for uploads after this long (a server gone mid-run would
@@ -66,9 +67,11 @@ class RunLogger:
         config: dict,
         active: bool,
         resume_id: str | None = None,
+        job_type: str | None = None,
     ):
         """`metrics`: the JSON-lines file records are appended to; `run_dir`: where W&B keeps its
-        files; `resume_id`: the W&B run id of the run this launch resumes (it continues that W&B run)."""
+        files; `resume_id`: the W&B run id of the run this launch resumes (it continues that W&B run);
+        `job_type`: W&B's, when logger.job_type is null."""
         self.active = active
         self.run_dir = run_dir
         self._wandb_run = None
@@ -78,9 +81,9 @@ class RunLogger:
         self._secrets = secret_values()
         self._metrics = open(metrics, "a", buffering=1)
         if cfg.name == "wandb" and cfg.mode != "disabled":
-            self._start_wandb(cfg, run_name, config)
+            self._start_wandb(cfg, run_name, config, job_type=cfg.job_type or job_type)
 
-    def _start_wandb(self, cfg: LoggerConfig, run_name: str, config: dict) -> None:
+    def _start_wandb(self, cfg: LoggerConfig, run_name: str, config: dict, *, job_type: str | None) -> None:
         try:
             import wandb
 
@@ -94,6 +97,7 @@ class RunLogger:
                 project=cfg.project,
                 entity=cfg.entity,
                 group=cfg.group,
+                job_type=job_type,
                 tags=list(cfg.tags),
                 name=run_name,
                 mode=cfg.mode,

@@ -32,7 +32,7 @@ from sdp.rundir.files import (
     truncate_metrics,
     write_json_atomic,
 )
-from sdp.rundir.summary import STATUSES, Summary, read_summary, run_status, write_summary
+from sdp.rundir.summary import STATUSES, Summary, read_summary, run_status, variant_label, write_summary
 
 __all__ = [
     "CHECKPOINTS",
@@ -52,6 +52,7 @@ __all__ = [
     "restarted_job",
     "run_status",
     "truncate_metrics",
+    "variant_label",
     "write_json_atomic",
     "write_summary",
 ]

@@ -22,6 +22,34 @@ from sdp.rundir.files import SUMMARY, write_json_atomic
 STATUSES = ("running", "completed", "stopped", "failed", "interrupted")
 
 
+def variant_label(
+    masking: str,
+    *,
+    granularity: str | None = None,
+    parallelism: str = "ddp",
+    fsdp_degree: int = 1,
+    activation_checkpointing: str = "none",
+    mixed_precision: str = "fp32",
+) -> str:
+    """The paper's name of a run's variant, plus the memory-saving methods stacked on it: the
+    tables' rows (`sdp.collect`) and W&B's job_type."""
+    if masking == "none":
+        label = "FSDP" if parallelism == "fsdp" else "DDP"
+    elif masking == "dropout":
+        label = "Dropout"
+    elif masking == "stochastic_depth":
+        label = "Stochastic depth"
+    else:
+        label = f"{'N' if granularity == 'neuron' else 'B'}-SDP {masking}"
+        if parallelism == "fsdp":
+            label += f" x FSDP({fsdp_degree})"
+    if activation_checkpointing != "none":
+        label += " + AC"
+    if mixed_precision == "bf16":
+        label += " + bf16"
+    return label
+
+
 @dataclass
 class Summary:
     """What one run did and measured. Memory and communication figures are the busiest rank's
