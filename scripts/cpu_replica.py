@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
                 for i, sweep in enumerate(sweeps):
                     where = args.runs / table / f"seed{seed}" / (name if i == 0 else f"{name}{i}")
                     jobs = [*table_overrides(table), *extra, *sweep, f"seed={seed}"]
-                    rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}"])
+                    rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
                     failed += rc != 0
             print(f"cpu_replica: seed {seed} of {table} done, {(time.monotonic() - start) / 60:.1f} min so far")
     command = "python scripts/cpu_replica.py (make tables)"

@@ -8,13 +8,17 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from torch import nn
 from torchvision.models import resnet
 
 from sdp import export
-from sdp.config import typed_config
+from sdp.config import to_typed, typed_config
+from sdp.data import data_tokenizer_file, prepare_data
+from sdp.data.tokenizer import train_bpe, wrap_tokenizer
 from sdp.models import build_model
 from sdp.redact import redact_yaml
+from sdp.rundir.export import export_tokenizer
 
 
 def fake_run(tmp_path, overrides: list[str]):
@@ -45,6 +49,36 @@ def test_a_llama_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
     tokens = torch.randint(0, model.config.vocab_size, (2, 16))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+
+
+def test_a_text_runs_tokenizer_goes_with_it_and_encodes_as_the_run_did(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n\n" for j in range(30)))
+    data = [f"dataset.path={corpus}", f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.vocab_size=300"]
+    run_dir, model = fake_run(tmp_path, ["model=llama_tiny", "dataset=local_text", "dataset.eval_every=4", *data])
+    cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
+    prepare_data(cfg.dataset)  # the tokenizer the run trained and cached
+    assert export.main([str(run_dir)]) == 0
+    names = sorted(p.name for p in (run_dir / "hf").iterdir())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)
+    ours = wrap_tokenizer(Tokenizer.from_file(str(data_tokenizer_file(cfg.dataset))), eos_token=None)
+    theirs = transformers.AutoTokenizer.from_pretrained(run_dir / "hf", local_files_only=True)
+    text = "def g(x):\n    return x * 7  # <|endoftext|> spelled in a comment is text\n"
+    ids = ours.tokenizer.encode(text, add_special_tokens=False).ids
+    assert theirs(text, add_special_tokens=False).input_ids == ids and theirs.eos_token_id == ours.eos_id
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+
+
+def test_a_tokenizer_with_ids_beyond_the_model_is_not_exported(tmp_path, capsys):
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(["def f(x): return x\n"] * 50), vocab_size=300).tokenizer.save(str(path))
+    assert not export_tokenizer(tmp_path, path, eos_token=None, vocab_size=10)
+    assert "is not exported: its" in capsys.readouterr().err and not (tmp_path / "tokenizer_config.json").exists()
 
 
 def test_a_resnet_builds_from_torchvision_with_its_builder_json(tmp_path):

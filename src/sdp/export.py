@@ -1,7 +1,8 @@
 """`python -m sdp.export RUN_DIR [RUN_DIR ...]`: write RUN_DIR/hf/ for runs that exist, from
 their model.pt and config.yaml, as `trainer.export=hf` does at the end of a run (see
-`sdp.rundir.export`): a transformers LlamaForCausalLM for LLaMA, safetensors and
-builder.json for the vision models."""
+`sdp.rundir.export`): a transformers LlamaForCausalLM for LLaMA, with the run's tokenizer
+where this machine has it (its dataset's cache or path), safetensors and builder.json for
+the vision models."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 
 from sdp import rundir
 from sdp.config import to_typed
+from sdp.data import data_tokenizer_file
 from sdp.errors import ConfigError
 from sdp.rundir.export import export_model, exported_files
 
@@ -22,7 +24,7 @@ def export_run(run_dir: Path) -> list[str]:
         if not (run_dir / name).is_file():
             raise ConfigError("RUN_DIR", str(run_dir), f"has no {name} (a finished run with trainer.save_model=true)")
     cfg = to_typed(OmegaConf.load(run_dir / rundir.CONFIG))
-    export_model(run_dir, cfg.model)
+    export_model(run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token)
     return exported_files(run_dir)
 
 

@@ -28,7 +28,7 @@ from sdp.checkpoint import (
     save_checkpoint,
 )
 from sdp.config import RunConfig, load_config, typed_config, validate
-from sdp.data import DataBundle, build_data, prepare_data
+from sdp.data import DataBundle, build_data, data_tokenizer_file, prepare_data
 from sdp.errors import ConfigError, PeerLost, RunFailed
 from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
@@ -239,7 +239,9 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         )
         _train(cfg, raw, built, summary, world=world, device=device, logger=logger, run_dir=run_dir, ckpt=ckpt)
         if world.is_main and cfg.trainer.export == "hf" and (run_dir / rundir.MODEL).is_file():
-            export_model(run_dir, cfg.model)
+            export_model(
+                run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token
+            )
             summary.export = exported_files(run_dir)
         summary.status = "stopped" if summary.stopped_at else "completed"
         return summary

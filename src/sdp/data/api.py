@@ -1,5 +1,7 @@
 """The data layer's entry points; each dispatches to the dataset named by `cfg.name`."""
 
+from pathlib import Path
+
 from sdp.data import cifar, fashion_mnist, fineweb, imagenet, local_text, synthetic
 from sdp.data.core import KINDS, DataBundle, DataConfig, DatasetSpec, Placement, require_at_least
 from sdp.errors import ConfigError
@@ -67,6 +69,11 @@ def build_data(
         start_batch=start_batch,
     )
     return _spec(cfg).build(cfg, place)
+
+
+def data_tokenizer_file(cfg: DataConfig) -> Path | None:
+    """The tokenizer.json the dataset's text is encoded with, where there is one on this machine."""
+    return _spec(cfg).tokenizer_file(cfg)
 
 
 def data_vocab_size(cfg: DataConfig) -> int | None:

@@ -81,6 +81,11 @@ class Placement(NamedTuple):
     start_batch: int = 0  # train batches this rank's stream already yielded (a resumed run's)
 
 
+def no_tokenizer(cfg: DataConfig) -> None:
+    """`tokenizer_file` hook of datasets without one (images, synthetic ids)."""
+    return None
+
+
 class DatasetSpec(NamedTuple):
     """The hooks one dataset provides; `sdp.data.api` picks them by `DataConfig.name`."""
 
@@ -89,6 +94,8 @@ class DatasetSpec(NamedTuple):
     prepare: Callable[[DataConfig], None]
     build: Callable[[DataConfig, Placement], DataBundle]
     vocab_size: Callable[[DataConfig], int | None]
+    # The tokenizer.json the run's text was encoded with, on this machine (None: there is none).
+    tokenizer_file: Callable[[DataConfig], Path | None] = no_tokenizer
 
 
 def cache_root(cfg: DataConfig) -> Path:

@@ -190,4 +190,11 @@ def vocab_size(cfg: DataConfig) -> int:
     return id_limit(cfg, load_tokenizer(cfg))
 
 
-SPEC = DatasetSpec(kind="text", validate=validate, prepare=prepare, build=build, vocab_size=vocab_size)
+def tokenizer_file(cfg: DataConfig) -> Path | None:
+    """The local tokenizer.json, or the hub tokenizer's in the local cache (None: not there)."""
+    return find_tokenizer_file(cfg, offline=False)
+
+
+SPEC = DatasetSpec(
+    kind="text", validate=validate, prepare=prepare, build=build, vocab_size=vocab_size, tokenizer_file=tokenizer_file
+)

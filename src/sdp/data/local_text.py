@@ -170,4 +170,12 @@ def vocab_size(cfg: DataConfig) -> int:
     return cfg.vocab_size
 
 
-SPEC = DatasetSpec(kind="text", validate=validate, prepare=prepare, build=build, vocab_size=vocab_size)
+def tokenizer_file(cfg: DataConfig) -> Path | None:
+    """The tokenizer trained for this corpus and these settings, once prepare has cached it."""
+    path = cache_dir_for(cfg, list_files(cfg)) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+SPEC = DatasetSpec(
+    kind="text", validate=validate, prepare=prepare, build=build, vocab_size=vocab_size, tokenizer_file=tokenizer_file
+)
