@@ -56,6 +56,30 @@ def test_spectral_gap_orders_the_overlaps():
     assert 0 < gaps[1] < gaps[2] < 1
 
 
+@pytest.mark.parametrize("k,coverage", [(4, 0.5), (8, 0.5), (8, 0.25), (6, 1 / 3)])
+def test_the_blocked_mask_is_balanced_and_never_mixes_its_blocks(k, coverage):
+    r = round(k * coverage)
+    mask = build_mask(SIZES, num_workers=k, coverage=coverage, construction="blocked", group_kinds=KINDS)
+    assert mask.holder_sets() == [tuple(range(b, b + r)) for b in range(0, k, r)]
+    assert (mask.matrix().sum(axis=0) == r).all()
+    for g in range(len(SIZES)):
+        held = [len(mask.held_units(w, g)) for w in range(k)]
+        assert sum(held) == r * SIZES[g] and max(held) - min(held) <= r
+    cyclic = build_mask(SIZES, num_workers=k, coverage=coverage, group_kinds=KINDS)
+    stats = [mask_stats(m, [3, 100, 3, 100, 7, 7, 7, 7]) for m in (mask, cyclic)]
+    assert stats[0]["spectral_gap"] == pytest.approx(0.0) and stats[1]["spectral_gap"] > 0.1
+
+
+def test_a_blocked_mask_needs_its_holders_to_divide_the_workers():
+    with pytest.raises(ConfigError) as info:
+        build_mask(SIZES, num_workers=4, coverage=0.75, construction="blocked")
+    assert str(info.value) == (
+        "masking.construction='blocked': needs the 3 holders per unit (C x K) to divide the 4 workers, "
+        "which it splits into blocks"
+    )
+    assert build_mask(SIZES, num_workers=4, coverage=1.0, construction="blocked").holder_sets() == [(0, 1, 2, 3)]
+
+
 def test_stats_report_coverage_per_worker():
     stats = mask_stats(build_mask(SIZES, num_workers=4, coverage=0.5, group_kinds=KINDS), [3, 100, 3, 100, 7, 7, 7, 7])
     assert stats["holders_min"] == stats["holders_max"] == 2
@@ -80,16 +104,16 @@ def test_impossible_requests_are_refused(coverage, k, fragment):
 
 
 def test_unknown_construction():
-    with pytest.raises(ConfigError, match="masking.construction='striped': allowed: cyclic, random"):
+    with pytest.raises(ConfigError, match="masking.construction='striped': allowed: cyclic, random, blocked"):
         build_mask([4], num_workers=2, coverage=0.5, construction="striped")
 
 
-@pytest.mark.parametrize("construction", ["cyclic", "random"])
+@pytest.mark.parametrize("construction", ["cyclic", "random", "blocked"])
 def test_every_chunk_is_sent_by_one_of_its_holders(construction):
     mask = build_mask(SIZES, num_workers=4, coverage=0.5, construction=construction, group_kinds=KINDS)
     for holders, sources in zip(mask.chunk_holders, mask.chunk_source, strict=True):
         assert all(src in hs for hs, src in zip(holders, sources, strict=True))
-    if construction == "cyclic":  # each worker sends exactly one chunk of every group
+    if construction != "random":  # each worker sends exactly one chunk of every group
         assert all(sorted(sources) == [0, 1, 2, 3] for sources in mask.chunk_source)
 
 
@@ -99,7 +123,7 @@ def _runs(mask, worker: int, group: int) -> int:
     return int(held.size > 0) + int(np.count_nonzero(np.diff(held) > 1))
 
 
-@pytest.mark.parametrize("construction", ["cyclic", "random"])
+@pytest.mark.parametrize("construction", ["cyclic", "random", "blocked"])
 def test_resampled_masks_keep_the_invariants_and_change_the_subnetworks(construction):
     k, r = 4, 2
     base = build_mask(SIZES, num_workers=k, coverage=0.5, construction=construction, group_kinds=KINDS)
@@ -114,12 +138,12 @@ def test_resampled_masks_keep_the_invariants_and_change_the_subnetworks(construc
         for g, n in enumerate(SIZES):
             held = [mask.held_units(w, g).size for w in range(k)]
             assert sum(held) == r * n
-            if construction == "cyclic":
+            if construction != "random":
                 assert max(held) - min(held) <= r
             # Shifted chunk boundaries wrap around at most once per chunk: each of a
             # worker's r chunks is at most two contiguous runs.
             assert all(_runs(mask, w, g) <= 2 * r for w in range(k))
-        if construction == "cyclic":  # each kind's block loads are epoch 0's, handed to other workers
+        if construction != "random":  # each kind's block loads are epoch 0's, handed to other workers
             blocks = sorted(sum(mask.held_units(w, g).size for g in range(4, 8)) for w in range(k))
             assert blocks == sorted(sum(base.held_units(w, g).size for g in range(4, 8)) for w in range(k))
     distinct = {base.matrix().tobytes(), *(m.matrix().tobytes() for m in epochs)}

@@ -15,6 +15,12 @@ whole depth.
 The random construction draws, for every (group, chunk), r distinct holders
 uniformly at random: still r holders per unit, but loads vary by worker.
 
+The blocked construction splits the workers into K / r blocks of r (r must divide K):
+block b holds chunks b*r .. b*r + r - 1 of every group. Loads are as balanced as the
+cyclic construction's, but no unit is shared across blocks, so the co-ownership graph
+falls apart into K / r pieces and its spectral gap is 0: the poorest mixing a balanced
+mask can have, for experiments on what the gap does to convergence.
+
 Resampling (IST-style, `masking.resample_every`): mask epoch e > 0 is drawn
 from (seed, e). Each neuron group's chunk boundaries are shifted by a random
 number of units (circularly, so a chunk stays at most two contiguous runs and
@@ -39,9 +45,12 @@ from sdp.errors import ConfigError
 class Construction(StrEnum):
     cyclic = "cyclic"  # balanced: every chunk of units has the same number of holders
     random = "random"
+    blocked = "blocked"  # balanced, and deliberately poorly mixing: K / r blocks that never meet
 
 
 CONSTRUCTIONS = tuple(Construction)
+# Constructions whose holder sets are the same in every mask epoch (only the chunks move).
+FIXED_HOLDER_SETS = (Construction.cyclic, Construction.blocked)
 
 
 def holders_per_unit(coverage: float, num_workers: int) -> int:
@@ -161,6 +170,17 @@ def build_mask(
         cyclic = tuple(tuple(sorted((c - i) % k for i in range(r))) for c in range(k))
         chunk_holders = tuple(cyclic for _ in group_sizes)
         # Chunk c is the first of worker c's chunks: each worker sends one chunk per group.
+        chunk_source = tuple(tuple(range(k)) for _ in group_sizes)
+    elif construction == "blocked":
+        if k % r:
+            raise ConfigError(
+                "masking.construction",
+                construction,
+                f"needs the {r} holders per unit (C x K) to divide the {k} workers, which it splits into blocks",
+            )
+        # Chunk c is held by the block of worker c, and sent by worker c.
+        blocked = tuple(tuple(range(c - c % r, c - c % r + r)) for c in range(k))
+        chunk_holders = tuple(blocked for _ in group_sizes)
         chunk_source = tuple(tuple(range(k)) for _ in group_sizes)
     else:
         chunk_holders = tuple(

@@ -27,7 +27,7 @@ from sdp.subnet.apply import (
     named_tensors,
 )
 from sdp.subnet.groups import REPLICATED, HolderGroups, joined, rank_sets, sdp_dimension_sets, shard_dims
-from sdp.subnet.mask import Mask, build_mask, mask_stats
+from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
 from sdp.subnet.sync import GradSync, Transfer, broadcast_from_holders
@@ -74,8 +74,8 @@ def planned_comm_groups(
     world = workers * fsdp_degree
     mesh = sum(1 for size in (workers, fsdp_degree) if size > 1) if fsdp_degree > 1 else 0
     every = cfg.resample_every
-    # The cyclic construction's holder sets are the same in every epoch (only the chunks move).
-    epochs = (steps - 1) // every + 1 if every and steps > 1 and cfg.construction != "cyclic" else 1
+    # The cyclic and blocked constructions' holder sets are the same in every epoch (only the chunks move).
+    epochs = (steps - 1) // every + 1 if every and steps > 1 and cfg.construction not in FIXED_HOLDER_SETS else 1
     # Under SDP x FSDP the mesh's sdp-dimension groups serve the holder set of every worker.
     meshed = set(sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)) if fsdp_degree > 1 else set()
     holder_sets: set[tuple[int, ...]] = {tuple(range(workers))}
@@ -103,7 +103,9 @@ def _too_many_groups(model: nn.Module, cfg: MaskingConfig, *, family: str, worke
     busiest = max(count(cfg, stop_above=parallel.max_comm_groups))
     if busiest <= parallel.max_comm_groups:
         return None
-    resampled = cfg.resample_every and cfg.construction != "cyclic"  # counting stopped at the first epoch over
+    resampled = (
+        cfg.resample_every and cfg.construction not in FIXED_HOLDER_SETS
+    )  # counting stopped at the first epoch over
     cyclic = max(count(dataclasses.replace(cfg, construction="cyclic")))
     if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
         instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
