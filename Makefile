@@ -2,7 +2,8 @@
 # make test          - set up, then the test suite
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
-# make tables        - CPU-scale replicas of the paper's tables and plots (results/cpu_replica)
+# make tables        - CPU-scale replicas of the paper's tables and plots, 3 seeds a row, and claims.md (results/cpu_replica)
+# make rho           - the spectral gap against convergence (results/cpu_replica/rho_convergence.*)
 # make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
 SHELL := /bin/bash
 PYTHON_BIN ?= $(shell command -v python3.11 || command -v python3)
@@ -14,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast lint clean memory-table bench tables soak
+.PHONY: setup cxx run test test-fast lint clean memory-table bench tables rho soak
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -69,10 +70,15 @@ lint: setup
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-# CPU-scale replicas of the paper's tables: sweeps of 4 CPU processes on real offline data,
-# then sdp.collect over their run dirs (outputs/cpu_replica; completed runs are not rerun).
+# CPU-scale replicas of the paper's tables: sweeps of 4 CPU processes on real offline data, seeds
+# 0-2, then sdp.collect --claims over their run dirs (outputs/cpu_replica; completed runs are not
+# rerun, so the ~3.5 hours can be spread over several calls).
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
+
+# The spectral gap against convergence: K = 4, C = 0.5, cyclic / random / blocked masks (about an hour).
+rho: setup
+	$(PY) scripts/rho_convergence.py --runs outputs/rho --out results/cpu_replica
 
 # Reliability soak: 25 short 2-process runs in one sweep, one made to diverge; checks that the
 # others complete and sweep.json marks only that one failed (scripts/soak.py; about 3 min on 2 cores).
