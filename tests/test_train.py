@@ -54,7 +54,9 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert summary["eval_loss"] > 0 and (family == "llama" or summary["eval_acc"] > 0.1)
     assert (run_dir / "config.yaml").read_text().count("name: ddp") == 1
     # trainer.export=hf (the default): the model out of the framework too (tests/test_export.py).
+    # local_text: the tokenizer the run trained goes with the model
     llama = ["hf/config.json", "hf/generation_config.json", "hf/model.safetensors"]
+    llama += ["hf/tokenizer.json", "hf/tokenizer_config.json"]
     assert summary["export"] == (llama if family == "llama" else ["hf/builder.json", "hf/model.safetensors"])
 
     # Bytes are what each rank really holds: fp32 params and grads, AdamW's two
