@@ -33,7 +33,7 @@ from sdp.claims import (
     points_from_tables,
     quality_claims,
 )
-from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, read_summary
+from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, read_summary
 from sdp.rundir import variant_label as label_of
 
 GIB, MIB = 2**30, 2**20
@@ -164,9 +164,7 @@ def convergence(row: dict, kind: str) -> str:
     metric = "eval_acc" if kind == "image" else "eval_loss"
     changes, marks = [], set()
     for run_dir in row["run_dirs"]:
-        path = Path(run_dir) / METRICS
-        lines = path.read_text().splitlines() if path.is_file() else []
-        evals = [(r["step"], r[metric]) for r in map(json.loads, lines) if r.get(metric) is not None]
+        evals = evaluations(run_dir, metric)
         earlier = [(step, value) for step, value in evals if step <= 0.8 * row["steps"]]
         if not evals or not earlier or evals[-1][0] != row["steps"]:
             return f"not checked: a run of {row['variant']} has no eval at both 80% and 100% of its steps"

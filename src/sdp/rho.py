@@ -15,12 +15,11 @@ Like `sdp.collect`, they read only summary.json and metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdp.rundir import METRICS, Summary, variant_label
+from sdp.rundir import Summary, evaluations, variant_label
 
 
 @dataclass(frozen=True)
@@ -33,17 +32,10 @@ class RhoPoint:
     steps_to_target: int | None  # None: DDP's half-budget loss not reached
 
 
-def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, eval loss) of every evaluation the run logged, in order."""
-    path = Path(run_dir) / METRICS
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [(r["step"], r["eval_loss"]) for r in map(json.loads, lines) if r.get("eval_loss") is not None]
-
-
 def ddp_target(ddp: list[tuple[Path, Summary]]) -> tuple[int, float]:
     """DDP's mean eval loss at the last evaluation at or before half its steps, and that step."""
     half = min(s.steps for _, s in ddp) / 2
-    at = [max(((step, loss) for step, loss in eval_curve(d) if step <= half), default=None) for d, _ in ddp]
+    at = [max(((step, loss) for step, loss in evaluations(d) if step <= half), default=None) for d, _ in ddp]
     if not at or any(a is None for a in at) or len({a[0] for a in at}) != 1:
         raise SystemExit(f"error: the DDP runs need one evaluation at the same step at or before step {half:g}")
     return at[0][0], statistics.fmean(loss for _, loss in at)
@@ -55,7 +47,7 @@ def rho_points(runs: list[tuple[Path, Summary]], target: float) -> list[RhoPoint
     for run_dir, s in runs:
         if s.status != "completed" or s.masking not in ("backward", "forward"):
             continue
-        curve = eval_curve(run_dir)
+        curve = evaluations(run_dir)
         reached = next((step for step, loss in curve if loss <= target), None)
         points.append(
             RhoPoint(

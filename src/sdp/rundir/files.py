@@ -64,6 +64,13 @@ def check_writable(key: str, path: Path) -> None:
         raise ConfigError(key, str(path), f"cannot be created or written in: {err.strerror} (in {parent})") from None
 
 
+def evaluations(run_dir: Path, metric: str = "eval_loss") -> list[tuple[int, float]]:
+    """(step, value) of every evaluation of `metric` the run logged in its metrics file, in order."""
+    path = Path(run_dir) / METRICS
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [(r["step"], r[metric]) for r in map(json.loads, lines) if r.get(metric) is not None]
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics.jsonl records of steps after `step` (a resumed run writes them again)."""
     path = run_dir / METRICS
