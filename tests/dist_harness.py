@@ -8,6 +8,7 @@ not verdicts: the assertions live in the test.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -331,6 +332,7 @@ def sharded() -> dict:
     return out
 
 
+@functools.cache  # both granularities' checks compare against the same references (read only)
 def full_grads(family: str, rank: int) -> dict[str, torch.Tensor]:
     """The full model's gradient on `rank`'s first batch, computed in this process alone."""
     torch.manual_seed(0)
