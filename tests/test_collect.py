@@ -7,7 +7,7 @@ import pytest
 import yaml
 from wandb_records import offline_run
 
-from sdp.collect import build_rows, collect, find_runs, main, variant_label
+from sdp.collect import _quality, build_rows, collect, find_runs, main, variant_label
 from sdp.rundir import Summary
 
 GIB = 2**30
@@ -104,6 +104,29 @@ def test_collect_writes_markdown_csv_and_plots(tmp_path):
     rows = list(csv.DictReader((tmp_path / "out" / "resnet_tiny_fashion_mnist.csv").open()))
     assert [r["variant"] for r in rows] == ["DDP", "B-SDP backward"]
     assert all((tmp_path / "out" / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+
+def test_the_quality_plot_has_error_bars_of_one_std_over_seeds(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _run(tmp_path, "ddp-s0", acc=0.80)
+    _run(tmp_path, "ddp-s1", seed=1, acc=0.84)
+    _run(tmp_path, "fwd-s0", masking="forward", coverage=0.5, acc=0.70)
+    _run(tmp_path, "fwd-s1", masking="forward", coverage=0.5, seed=1, acc=0.74)
+    info = build_rows(find_runs([tmp_path]))["resnet_tiny_fashion_mnist"]
+    fig, ax = plt.subplots()
+    _quality(ax, info["rows"], info["kind"])
+    (bars,) = ax.containers  # one series beside DDP: N-SDP forward
+    (segments,) = [c.get_segments() for c in bars.lines[2]]
+    (low, high) = sorted(y for _, y in segments[0])
+    std = 0.02 * 2**0.5  # of 0.70 and 0.74
+    assert (low, high) == (pytest.approx(0.72 - std), pytest.approx(0.72 + std))
+    (band,) = ax.patches  # DDP's mean ± std
+    assert band.get_extents().height > 0 and ax.get_ylabel() == "eval accuracy (mean ± std over seeds)"
+    plt.close(fig)
 
 
 def test_no_runs_is_one_clear_error(tmp_path):

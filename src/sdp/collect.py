@@ -313,19 +313,38 @@ def plots(table: str, info: dict, out: Path) -> list[Path]:
     written.append(_save(fig, out / f"{table}_memory.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
+    _quality(ax, rows, kind)
+    ax.set_title(f"{table}: quality against coverage")
+    written.append(_save(fig, out / f"{table}_quality.png"))
+    return written
+
+
+def _quality(ax, rows: list[dict], kind: str) -> None:
+    """Eval quality against coverage, a line per series, with ± the standard deviation over
+    seeds as error bars (DDP: a dashed line and a shaded band)."""
     metric, name = ("eval_acc", "eval accuracy") if kind == "image" else ("eval_loss", "eval loss")
-    for series in sorted({_series(r) for r in rows if r["variant"] != "DDP"}):
-        pts = sorted((r["coverage"], r[metric]) for r in rows if _series(r) == series and r[metric] is not None)
+    names = sorted({_series(r) for r in rows if r["variant"] != "DDP"})
+    for i, series in enumerate(names):
+        pts = sorted(
+            (r["coverage"], r[metric], r.get(f"{metric}_std") or 0.0)
+            for r in rows
+            if _series(r) == series and r[metric] is not None
+        )
         if pts:
+            x, y, err = zip(*pts, strict=True)
+            x = [c + 0.004 * (i - (len(names) - 1) / 2) for c in x]  # the series side by side at one C
             marker = "s" if series.endswith(")") else "o"
-            ax.plot(*zip(*pts, strict=True), marker=marker, ls="-" if len(pts) > 1 else "none", label=series)
+            ls = "-" if len(pts) > 1 else "none"
+            ax.errorbar(x, y, yerr=err, marker=marker, ls=ls, capsize=3, label=series)
     ddp = next((r for r in rows if r["variant"] == "DDP" and r[metric] is not None), None)
     if ddp:
         ax.axhline(ddp[metric], color="black", ls="--", lw=1, label="DDP")
-    ax.set(xlabel="coverage C", ylabel=name, title=f"{table}: quality against coverage")
+        std = ddp.get(f"{metric}_std") or 0.0
+        if std:
+            ax.axhspan(ddp[metric] - std, ddp[metric] + std, color="black", alpha=0.08, lw=0)
+    suffix = " (mean ± std over seeds)" if any(r.get(f"{metric}_std") for r in rows) else ""
+    ax.set(xlabel="coverage C", ylabel=name + suffix)
     ax.legend(fontsize=7)
-    written.append(_save(fig, out / f"{table}_quality.png"))
-    return written
 
 
 def _save(fig, path: Path) -> Path:
