@@ -6,8 +6,9 @@ import json
 import pytest
 from test_collect import _run
 
+from sdp.claims import FEW, HOLDS, UNCLEAR
 from sdp.collect import find_runs
-from sdp.rho import ddp_target, rho_markdown, rho_plot, rho_points
+from sdp.rho import RhoPoint, ddp_target, mixing_comparisons, rho_markdown, rho_plot, rho_points
 
 
 def _curve(run_dir, losses, every=2):
@@ -62,3 +63,24 @@ def test_ddp_runs_without_a_common_half_budget_evaluation_are_one_error(tmp_path
     _curve(_run(tmp_path, "ddp", eval_loss=1.0), [1.0], every=10)
     with pytest.raises(SystemExit, match="need one evaluation at the same step at or before step 5"):
         ddp_target(find_runs([tmp_path]))
+
+
+def _points(construction, rho, losses):
+    return [RhoPoint("N-SDP backward", construction, seed, rho, loss, None) for seed, loss in enumerate(losses)]
+
+
+def test_each_construction_is_compared_with_the_blocked_mask_by_the_claims_rule():
+    points = [
+        *_points("blocked", 0.0, [1.60, 1.62, 1.58]),
+        *_points("cyclic", 0.5, [1.00, 1.02, 0.98]),  # 0.6 lower, SE 0.02 * sqrt(2/3)
+        *_points("random", 0.52, [1.59, 1.63, 1.58]),  # 0.0067 lower, SE > 0.0067 / 2
+    ]
+    cyclic, random = mixing_comparisons(points)
+    assert (cyclic.first, cyclic.second, cyclic.runs) == ("N-SDP backward cyclic", "N-SDP backward blocked", (3, 3))
+    assert cyclic.d == pytest.approx(0.6) and cyclic.se == pytest.approx(0.02 * (2 / 3) ** 0.5)
+    assert (cyclic.verdict, random.verdict) == (HOLDS, UNCLEAR)
+    md = rho_markdown(points, target=(4, 1.5), ddp_final=[0.9], command="c")
+    assert "| N-SDP backward cyclic vs N-SDP backward blocked | +0.6000 | 0.0163 | 3, 3 | holds |" in md
+    # One seed a row: too few runs to say; no blocked mask: nothing to compare with.
+    assert mixing_comparisons([*_points("blocked", 0.0, [1.6]), *_points("cyclic", 0.5, [1.0])])[0].verdict == FEW
+    assert mixing_comparisons(_points("cyclic", 0.5, [1.0, 1.1, 1.2])) == []

@@ -10,16 +10,24 @@ run's ρ beside what it reached:
   runs at the last evaluation at or before half its steps): the first evaluation at or
   below it, or none within the run.
 
+and compare each construction's final eval loss with that of the blocked mask (ρ = 0) of the
+same variant, by the rule of claims.md (`sdp.claims.Comparison`: mixing helps when the
+blocked mask's loss is higher by more than 2 standard errors over the seeds).
+
 Like `sdp.collect`, they read only summary.json and metrics.jsonl.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdp.claims import Comparison, Measure
 from sdp.rundir import Summary, evaluations, variant_label
+
+POOR = "blocked"  # the construction every other one is compared with (ρ = 0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,45 @@ def _mean_std(values: list[float]) -> str:
     return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
 
 
+def _loss(points: list[RhoPoint]) -> Measure:
+    losses = [p.final_eval_loss for p in points]
+    return Measure(-statistics.fmean(losses), statistics.stdev(losses) if len(losses) > 1 else 0.0, len(losses))
+
+
+def mixing_comparisons(points: list[RhoPoint]) -> list[Comparison]:
+    """Per variant, each construction against the blocked mask: d = blocked's mean final eval
+    loss minus the construction's (d > 0: the better-mixing mask ends lower)."""
+    out = []
+    for variant in sorted({p.variant for p in points}):
+        mine = [p for p in points if p.variant == variant]
+        poor = [p for p in mine if p.construction == POOR]
+        if not poor:
+            continue
+        for construction in sorted({p.construction for p in mine} - {POOR}):
+            a, b = _loss([p for p in mine if p.construction == construction]), _loss(poor)
+            first, second = f"{variant} {construction}", f"{variant} {POOR}"
+            out.append(Comparison("rho", first, second, a.mean - b.mean, math.hypot(a.se, b.se), (a.n, b.n)))
+    return out
+
+
+def _mixing_lines(points: list[RhoPoint]) -> list[str]:
+    comparisons = mixing_comparisons(points)
+    if not comparisons:
+        return []
+    lines = [
+        "",
+        f"Does mixing help? Each construction's final eval loss against the {POOR} mask's (ρ = 0) of the same "
+        "variant: d = blocked's mean minus the construction's (d > 0: the better-mixing mask ends lower), "
+        "SE over the seeds, and the rule of claims.md (holds when d > 2 SE, does not hold when d < -2 SE).",
+        "",
+        "| comparison | d (eval loss) | SE | runs | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        lines.append(f"| {c.first} vs {c.second} | {c.d:+.4f} | {c.se:.4f} | {c.runs[0]}, {c.runs[1]} | {c.verdict} |")
+    return lines
+
+
 def rho_markdown(points: list[RhoPoint], *, target: tuple[int, float], ddp_final: list[float], command: str) -> str:
     """The experiment's table: one row per (variant, construction), then every run."""
     step, loss = target
@@ -93,6 +140,7 @@ def rho_markdown(points: list[RhoPoint], *, target: tuple[int, float], ddp_final
             f"| {variant} | {construction} | {rho} | {len(group)} | {_mean_std([p.final_eval_loss for p in group])} "
             f"| {reached} |"
         )
+    lines += _mixing_lines(points)
     lines += [
         "",
         "| variant | construction | seed | ρ | final eval loss | steps to target |",
