@@ -76,7 +76,7 @@ lint: setup
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
 
-# The spectral gap against convergence: K = 4, C = 0.5, cyclic / random / blocked masks (about an hour).
+# The spectral gap against convergence: K = 4, C = 0.5, cyclic / random / blocked masks (21 runs, about 1.7 hours on 2 cores).
 rho: setup
 	$(PY) scripts/rho_convergence.py --runs outputs/rho --out results/cpu_replica
 
