@@ -117,7 +117,8 @@ def _mixing_lines(points: list[RhoPoint]) -> list[str]:
 
 
 def rho_markdown(points: list[RhoPoint], *, target: tuple[int, float], ddp_final: list[float], command: str) -> str:
-    """The experiment's table: one row per (variant, construction), then every run."""
+    """The experiment's table: one row per (variant, construction), each construction against the
+    blocked mask (`mixing_comparisons`), then every run."""
     step, loss = target
     lines = [
         "# Spectral gap ρ against convergence",
