@@ -181,3 +181,15 @@ def test_a_long_function_is_found(tmp_path):
     assert long_functions({"sdp.long": tmp_path / "long.py"}) == ["long.py:long (81 lines)"]
     (tmp_path / "long.py").write_text(f'def long():\n    """Longer than a screen: a table."""\n{body}')
     assert long_functions({"sdp.long": tmp_path / "long.py"}) == []
+
+
+def test_the_entrypoint_imports_no_model_family_library():
+    """`import sdp.train` loads neither torchvision (and torch._dynamo with it), transformers nor
+    timm: a run imports only what its model family and dataset use (each costs ~1 s a process)."""
+    import subprocess
+    import sys
+
+    heavy = ("torchvision", "transformers", "timm", "torch._dynamo")
+    probe = f"import sys, sdp.train; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

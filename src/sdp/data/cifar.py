@@ -1,12 +1,12 @@
 """cifar10 / cifar100: torchvision's readers of the python-pickle batches, served from memory."""
 
+import functools
 import os
 import pickle
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torchvision.datasets import CIFAR10, CIFAR100
 
 from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, no_vocab, require_equal
 from sdp.data.images import TensorImages
@@ -36,25 +36,33 @@ class _FilesPresent:
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
 
-class PresentCIFAR10(_FilesPresent, CIFAR10):
-    """CIFAR10 that only requires its files to exist."""
+@functools.cache
+def present_reader(name: str) -> type:
+    """torchvision's reader `name` (CIFAR10, CIFAR100), requiring only that its files exist.
 
+    torchvision is imported here, by CIFAR runs alone: it takes about a second and brings
+    torch._dynamo with it, which no other dataset needs."""
+    from torchvision import datasets
 
-class PresentCIFAR100(_FilesPresent, CIFAR100):
-    """CIFAR100 that only requires its files to exist."""
+    base = getattr(datasets, name)
+    return type(f"Present{name}", (_FilesPresent, base), {"__doc__": f"{name} that only requires its files to exist."})
 
 
 class Variant(NamedTuple):
-    reader: type
+    reader_name: str  # the torchvision.datasets class
     title: str
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
 
+    @property
+    def reader(self) -> type:
+        return present_reader(self.reader_name)
+
 
 VARIANTS = {
-    "cifar10": Variant(PresentCIFAR10, "CIFAR-10", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": Variant(PresentCIFAR100, "CIFAR-100", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "cifar10": Variant("CIFAR10", "CIFAR-10", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": Variant("CIFAR100", "CIFAR-100", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 
 

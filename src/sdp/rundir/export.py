@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerFast
 
 from sdp.data.tokenizer import wrap_tokenizer
 from sdp.models import LlamaConfig, ModelConfig, build_model, vision_builder
@@ -56,6 +55,8 @@ def export_tokenizer(out: Path, path: Path, *, eos_token: str | None, vocab_size
     """Write the tokenizer into `out` as transformers' PreTrainedTokenizerFast, encoding as the
     run did (special-token text is spelled in ordinary tokens, nothing added around a text);
     refused, with one line, when it has ids the model has no embedding for."""
+    from transformers import PreTrainedTokenizerFast  # ~1 s: only a LLaMA run's export pays it
+
     tok = wrap_tokenizer(Tokenizer.from_file(str(path)), eos_token=eos_token)
     if tok.size > vocab_size:
         print(
