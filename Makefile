@@ -1,5 +1,6 @@
 # make run           - set up, then the offline demo (4 processes on CPU, real data)
-# make test          - set up, then the test suite
+# make test          - set up, then the test suite (what CI runs)
+# make test-fast     - set up, then every module's unit tests (no multi-rank jobs; <= 3 min)
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
 # make tables        - CPU-scale replicas of the paper's tables and plots, 3 seeds a row, and claims.md (results/cpu_replica)
@@ -48,11 +49,13 @@ $(FMNIST):
 run: setup
 	$(PY) scripts/demo.py
 
+# The full suite (what CI runs), with its 15 slowest tests and the processes it started.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
+# Every module's unit tests, without the multi-rank jobs and the slow ones (<= 3 min on 2 cores).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not dist"
+	$(PY) -m pytest -q -m "not slow and not dist" --durations=5
 
 # Estimated per-rank memory of the paper-scale configs (GPU-free; about 3 min on 2 cores).
 memory-table: setup

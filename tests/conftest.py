@@ -1,4 +1,5 @@
-"""Shared test setup: offline everywhere, a helper to launch torchrun."""
+"""Shared test setup: offline everywhere; multi-rank jobs forked from one pre-imported server
+(tests/ranks.py), and real torchrun launches counted against LAUNCH_BUDGET."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ranks import STARTED, run_ranks
 
 from sdp.compare import torchrun_command
 from sdp.rundir import read_summary
+
+# Real torchrun launches the default suite may make (the CLI under torchrun, restarts, signals,
+# the hung rank, resize, a sweep's jobs); every other multi-rank job forks its ranks
+# (tests/ranks.py). Counted over the session; above it the session fails, naming the tests.
+LAUNCH_BUDGET = 20
 
 # The tiny model of each family and a dataset of its kind, shared by the SDP tests.
 TINY_MODELS = {
@@ -43,7 +50,13 @@ def group(tmp_path):
 
 
 def launch(overrides: list[str], *, nproc: int = 2, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node=nproc -m sdp.train overrides` and return the finished process."""
+    """The entrypoint `sdp.train` on `nproc` ranks forked as torchrun would start them (see
+    tests/ranks.py); returns what `torchrun --nproc_per_node=nproc -m sdp.train` would."""
+    return run_ranks("sdp.train:main", overrides, nproc=nproc, cwd=cwd, env=job_env(), timeout=timeout)
+
+
+def torchrun(overrides: list[str], *, nproc: int = 2, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """A real `torchrun --nproc_per_node=nproc -m sdp.train overrides` (counted against LAUNCH_BUDGET)."""
     cmd = torchrun_command(nproc, "-m", "sdp.train", *overrides)
     return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -71,11 +84,8 @@ def tiny_model_cfg(family: str):
 
 
 def run_harness(scenario: str, nproc: int, out: Path) -> dict:
-    """Run one scenario of tests/dist_harness.py under torchrun; returns what rank 0 wrote to `out`."""
-    here = Path(__file__).parent
-    cmd = torchrun_command(nproc, str(here / "dist_harness.py"), scenario, str(out))
-    path = os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)  # keep the caller's
-    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=path), capture_output=True, text=True, timeout=900)
+    """Run one scenario of tests/dist_harness.py on `nproc` forked ranks; returns what rank 0 wrote to `out`."""
+    proc = run_ranks("dist_harness:main", [scenario, str(out)], nproc=nproc, cwd=out.parent, env=job_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -97,3 +107,44 @@ def load_model_pt(run_dir: Path, overrides: list[str]):
     model = build_model(typed_config(overrides)[1].model)
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
     return model.eval()
+
+
+# Every process the tests start: torchrun launches (agent and workers) by the test that made
+# them, other subprocesses, and forked ranks (tests/ranks.py); printed at the end of the session.
+TORCHRUNS: list[tuple[str, int]] = []
+OTHER_PROCESSES = [0]
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_init(self, args, *rest, **kwargs):
+    argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+    if "torch.distributed.run" in argv:
+        nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
+        TORCHRUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], nproc))
+    else:
+        OTHER_PROCESSES[0] += 1
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _counting_init
+
+
+def pytest_terminal_summary(terminalreporter):
+    launches = len(TORCHRUNS)
+    workers = sum(n for _, n in TORCHRUNS)
+    terminalreporter.write_line(
+        f"processes: {launches} torchrun launches (budget {LAUNCH_BUDGET}) starting {launches + workers} "
+        f"processes, {OTHER_PROCESSES[0]} other subprocesses, {STARTED['ranks']} forked ranks in {STARTED['jobs']} jobs"
+    )
+    if launches > LAUNCH_BUDGET:
+        by_test: dict[str, int] = {}
+        for test, _ in TORCHRUNS:
+            by_test[test] = by_test.get(test, 0) + 1
+        terminalreporter.write_line(f"error: {launches} torchrun launches exceed LAUNCH_BUDGET={LAUNCH_BUDGET}:")
+        for test, n in sorted(by_test.items()):
+            terminalreporter.write_line(f"  {n} {test}")
+
+
+def pytest_sessionfinish(session):
+    if len(TORCHRUNS) > LAUNCH_BUDGET:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,6 +1,6 @@
-"""Multi-process SDP checks, run under torchrun by tests/test_subnet_dist.py.
-
-`python -m torch.distributed.run --nproc_per_node=K tests/dist_harness.py SCENARIO OUT.json`
+"""Multi-process SDP checks: tests/conftest.py's `run_harness` runs `main([SCENARIO, OUT.json])` on
+forked ranks (tests/ranks.py); by hand, `python -m torch.distributed.run --nproc_per_node=K
+tests/dist_harness.py SCENARIO OUT.json`.
 Every rank measures; rank 0 writes what the test asserts on. Measurements,
 not verdicts: the assertions live in the test.
 """
@@ -695,8 +695,11 @@ def compile_checks() -> dict:
     return out
 
 
-if __name__ == "__main__":
-    scenario, path = sys.argv[1], sys.argv[2]
+def main(argv: list[str]) -> int:
+    """`SCENARIO PATH`: run the scenario on this rank of the job (torchrun's environment); rank 0
+    writes its result to PATH."""
+    global OUT
+    scenario, path = argv
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     OUT = path
@@ -706,8 +709,13 @@ if __name__ == "__main__":
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # python -m torch.distributed.run --nproc_per_node=K tests/dist_harness.py SCENARIO OUT
+    code = main(sys.argv[1:3])
     # As the entrypoint does: leave without the interpreter's teardown, where a gloo thread of a
     # collected process group occasionally aborts the process after everything was written.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -2,6 +2,8 @@
 
     torchrun [--max-restarts=N] ... tests/faults.py FAULT [override ...]
 
+or `main([FAULT, override, ...])` on ranks forked by tests/ranks.py (faults without restarts).
+
 FAULT is one of
     none           no fault;
     kill:R:S       rank R sends itself SIGKILL right after its S-th optimizer step, in the
@@ -96,9 +98,14 @@ def arm(fault: str) -> None:
         raise SystemExit(f"unknown fault {fault!r}")
 
 
+def main(argv: list[str]) -> int:
+    """`FAULT [override ...]`: the entrypoint with FAULT armed (tests/ranks.py forks it)."""
+    arm(argv[0])
+    return train.main(argv[1:])
+
+
 if __name__ == "__main__":
-    arm(sys.argv[1])
-    code = train.main(sys.argv[2:])
+    code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch.distributed
-from conftest import job_env, launch
+from conftest import job_env, torchrun
 from omegaconf import OmegaConf
 
 from sdp.cli import COMMON_KEYS
@@ -116,6 +116,6 @@ def test_a_plain_python_m_run_prints_help(tmp_path):
 
 @pytest.mark.dist
 def test_under_torchrun_one_rank_prints_the_config(user_dir, tmp_path):
-    proc = launch(["--config-dir", str(user_dir), "--cfg", "job", *RUN[1:], "experiment=short"], cwd=tmp_path)
+    proc = torchrun(["--config-dir", str(user_dir), "--cfg", "job", *RUN[1:], "experiment=short"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("name: wide_resnet") == 1 and not (tmp_path / "outputs").exists()

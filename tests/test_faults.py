@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import job_env, launch, read_run
+from ranks import run_ranks
 
 from sdp.checkpoint import complete_checkpoints
 from sdp.compare import torchrun_command
@@ -43,6 +44,10 @@ TIMINGS = ("tokens_or_samples_per_s", "step_time_s")
 
 
 def with_fault(fault: str, overrides: list[str], *, cwd: Path, restarts: int = 0) -> subprocess.CompletedProcess:
+    """The entrypoint with `fault` armed on 2 ranks: under torchrun when restarts are asked
+    for (they are what is tested), on forked ranks otherwise."""
+    if restarts == 0:
+        return run_ranks("faults:main", [fault, *overrides], nproc=2, cwd=cwd, env=job_env())
     cmd = torchrun_command(2, f"--max-restarts={restarts}", str(FAULTS), fault, *overrides)
     return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=600)
 
