@@ -7,7 +7,7 @@ not verdicts: the assertions live in the test.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import hashlib
 import json
@@ -19,15 +19,13 @@ import torch.distributed as dist
 from conftest import TINY_MODELS, tiny_model_cfg
 from torch.nn.parallel import DistributedDataParallel
 
-from sdp.dist import local
+from sdp.build import build_strategy
+from sdp.config import load_config
+from sdp.dist import World, local
 from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
-from sdp.models import build_model
+from sdp.models import build_model, computes_loss
 from sdp.optim import OptimConfig, build_optimizer
-from sdp.parallel import DDPStrategy, ParallelConfig
-from sdp.parallel.checkpointing import apply_activation_checkpointing
-from sdp.parallel.compile import apply_compile, needs_graph_breaks
-from sdp.parallel.fsdp import FSDPStrategy
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
@@ -45,62 +43,53 @@ def batch(family: str, rank: int, step: int, n: int = 4) -> dict:
     return {"inputs": torch.randn(n, 3, 32, 32, generator=g), "targets": torch.randint(0, 10, (n,), generator=g)}
 
 
-def make(
+def overrides(
     family: str,
     masking: MaskingConfig | None,
-    comm: CommCounter,
     *,
     ac: str = "none",
     fsdp: bool = False,
+    fsdp_degree: int = 1,
     overlap: bool = True,
     autocast: torch.dtype | None = None,
     loss_chunk: int | None = None,
     compile_backend: str | None = None,
-):
-    """A tiny model under DDP (`masking=None`), FSDP or SDP; with `loss_chunk`, a LLaMA computes
-    its loss itself, that many tokens at a time (`Strategy.loss_in_model`)."""
-    cfg = tiny_model_cfg(family)
-    if loss_chunk is not None:
-        cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=loss_chunk)
-    strategy = _make(
-        family, masking, comm, cfg, ac=ac, fsdp=fsdp, overlap=overlap, autocast=autocast, backend=compile_backend
-    )
-    strategy.loss_in_model = loss_chunk is not None
-    return strategy
+) -> list[str]:
+    """The command line of a run of this check: the family's tiny model on the CPU, 1 MiB buckets,
+    DDP (`masking=None`), FSDP or SDP. A LLaMA computes its loss itself, whole (`model.loss=full`)
+    or `loss_chunk` tokens at a time."""
+    model, dataset = TINY_MODELS[family]
+    keys = {"model": model, "dataset": dataset, "seed": 0, "trainer.device": "cpu"}
+    keys |= {
+        "parallelism": "fsdp" if fsdp else "ddp",
+        "parallelism.bucket_cap_mb": 1,
+        "parallelism.fsdp_degree": fsdp_degree,
+    }
+    keys |= {"parallelism.activation_checkpointing": ac, "parallelism.overlap_comm": str(overlap).lower()}
+    keys["parallelism.mixed_precision"] = "fp32" if autocast is None else "bf16"
+    keys["parallelism.compile"] = str(compile_backend is not None).lower()
+    if compile_backend is not None:
+        keys["parallelism.compile_backend"] = compile_backend
+    keys["masking"] = "none" if masking is None else masking.name
+    if masking is not None:
+        keys |= {f"masking.{k}": getattr(masking, k) for k in ("granularity", "coverage", "resample_every")}
+    if family == "llama":
+        keys["model.loss"] = "full" if loss_chunk is None else "chunked"
+        keys["model.loss_chunk_tokens"] = loss_chunk or 1024
+    return [f"{k}={v}" for k, v in keys.items()]
 
 
-def _make(family: str, masking, comm: CommCounter, cfg, *, ac: str, fsdp: bool, overlap: bool, autocast, backend):
-    torch.manual_seed(0)
+@functools.cache
+def _config(line: tuple[str, ...], world_size: int):
+    return load_config(list(line), world_size=world_size, offline=True, check_data=False)[1]
 
-    def checkpointing(model):  # and compilation, as the entrypoint's build_strategy does
-        apply_activation_checkpointing(model, family=family, mode=ac)
-        if backend is not None:
-            fullgraph = not needs_graph_breaks(model, family=family)
-            apply_compile(model, family=family, fullgraph=fullgraph, backend=backend)
 
-    if masking is None:
-        model = build_model(cfg)
-        checkpointing(model)
-        precision = "bf16" if autocast is not None else "fp32"
-        par = ParallelConfig(name="fsdp" if fsdp else "ddp", mixed_precision=precision)
-        if fsdp:
-            return FSDPStrategy(model, par, family=family, device=CPU, comm=comm)
-        return DDPStrategy(model, par, device=CPU, comm=comm)
-    return SDPStrategy(
-        build_model(cfg),
-        masking,
-        family=cfg.family,
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        device=CPU,
-        comm=comm,
-        bucket_cap_mb=1,
-        make_plain=lambda: build_model(cfg),
-        prepare=checkpointing,
-        overlap=overlap,
-        autocast_dtype=autocast,
-        compiled=backend is not None,
-    )
+def make(family: str, masking: MaskingConfig | None, comm: CommCounter, **options):
+    """The strategy a run of `overrides(family, masking, **options)` trains, built as the
+    entrypoint builds it (config composed and checked by `sdp.config`, then `sdp.build`)."""
+    cfg = copy.deepcopy(_config(tuple(overrides(family, masking, **options)), dist.get_world_size()))
+    world = World(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=dist.get_world_size())
+    return build_strategy(cfg, world=world, device=CPU, comm=comm)
 
 
 def worker_batch(family: str, worker: int, step: int, fsdp_degree: int = 2) -> dict:
@@ -110,19 +99,19 @@ def worker_batch(family: str, worker: int, step: int, fsdp_degree: int = 2) -> d
 
 
 def train(strategy, family: str, *, steps: int, optimizer=None, first: int = 0, batches=batch, optim=None):
-    """`steps` optimizer steps (numbered from `first`), with a new optimizer (AdamW unless `optim`
-    says otherwise) unless one is given; `batches(family, rank, step)` gives each rank's batch."""
+    """`steps` optimizer steps (numbered from `first`) of the trainer's own train_step, without
+    clipping or the NaN/Inf check, then a resample where the mask asks for one, as the loop
+    does; with a new optimizer (AdamW unless `optim` says otherwise) unless one is given.
+    `batches(family, rank, step)` gives each rank's batch."""
     optim = optim or OptimConfig(lr=1e-3, weight_decay=0.1)
     optimizer = optimizer or build_optimizer(strategy.trainable(), optim)
     rank = dist.get_rank()
+    cfg = TrainerConfig(grad_clip=0.0, on_nonfinite="off")
     strategy.model.train()
     for step in range(first, first + steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = forward_loss(strategy.model, batches(family, rank, step))
-        loss.backward()
-        strategy.after_backward()
-        optimizer.step()
-        strategy.after_step()
+        whole = batches(family, rank, step)
+        micro = whole["targets"].shape[0]
+        train_step(strategy, optimizer, iter([whole]), cfg=cfg, micro=micro, device=CPU, timer=PhaseTimer(CPU))
         if step + 1 < first + steps and strategy.resample(step + 1, optimizer):  # as the trainer does
             strategy.model.train()
     return optimizer
@@ -271,8 +260,6 @@ def sharded() -> dict:
     """K = 2 SDP workers x F = 2 FSDP shards (4 ranks), forward masking at both granularities:
     parameters after 3 steps (saved for the test to compare with plain SDP), and each rank's
     bytes against a prediction from the mask."""
-    from sdp.subnet.sharded import ShardedSDPStrategy
-
     out = {}
     rank = dist.get_rank()
     for family in TINY_MODELS:  # ResNet for the bytes (its BatchNorm weights are replicated)
@@ -282,29 +269,17 @@ def sharded() -> dict:
         out[family] = {}
         for gran, masking in SHARDED_MASKINGS.items():
 
-            def sharded_sdp(
-                overlap: bool, cfg=cfg, family=family, masking=masking, chunk: int | None = None, backend=None
-            ) -> ShardedSDPStrategy:
-                if chunk is not None:
-                    cfg = dataclasses.replace(cfg, loss="chunked", loss_chunk_tokens=chunk)
-                torch.manual_seed(0)
-                strategy = ShardedSDPStrategy(
-                    build_model(cfg),
+            def sharded_sdp(overlap: bool, family=family, masking=masking, chunk=None, backend=None):
+                return make(
+                    family,
                     masking,
-                    family=family,
-                    rank=rank,
-                    world_size=dist.get_world_size(),
-                    parallel=ParallelConfig(name="fsdp", fsdp_degree=2),
-                    device=CPU,
-                    comm=CommCounter(),
-                    bucket_cap_mb=1,
-                    make_plain=lambda: build_model(cfg),
+                    CommCounter(),
+                    fsdp=True,
+                    fsdp_degree=2,
                     overlap=overlap,
-                    prepare=None if backend is None else lambda m: apply_compile(m, family=family, backend=backend),
-                    compiled=backend is not None,
+                    loss_chunk=chunk,
+                    compile_backend=backend,
                 )
-                strategy.loss_in_model = chunk is not None
-                return strategy
 
             sdp = sharded_sdp(True)
             optimizer = train(sdp, family, steps=3, optim=SHARDED_OPTIM)
@@ -335,9 +310,10 @@ def sharded() -> dict:
 @functools.cache  # both granularities' checks compare against the same references (read only)
 def full_grads(family: str, rank: int) -> dict[str, torch.Tensor]:
     """The full model's gradient on `rank`'s first batch, computed in this process alone."""
+    cfg = _config(tuple(overrides(family, None)), 1).model
     torch.manual_seed(0)
-    model = build_model(tiny_model_cfg(family)).train()
-    loss, _ = forward_loss(model, batch(family, rank, 0))
+    model = build_model(cfg).train()
+    loss, _ = forward_loss(model, batch(family, rank, 0), in_model=computes_loss(cfg))
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -360,7 +336,7 @@ def holders_check(family: str, gran: str) -> dict:
     comm = CommCounter()
     sdp = make(family, MaskingConfig(name="backward", granularity=gran, coverage=0.5), comm)
     sdp.model.train()
-    loss, _ = forward_loss(sdp.model, batch(family, rank, 0))
+    loss, _ = forward_loss(sdp.model, batch(family, rank, 0), in_model=sdp.loss_in_model)
     loss.backward()
     sdp.after_backward()
     worst = 0.0
@@ -506,7 +482,7 @@ def loss_check(build) -> dict:
         strategy = build(chunk)
         strategy.model.train()
         with strategy.autocast():
-            loss, _ = forward_loss(strategy.model, batch("llama", dist.get_rank(), 0), in_model=chunk is not None)
+            loss, _ = forward_loss(strategy.model, batch("llama", dist.get_rank(), 0), in_model=strategy.loss_in_model)
         loss.backward()
         strategy.after_backward()
         model = strategy.model.module if isinstance(strategy.model, DistributedDataParallel) else strategy.model
@@ -652,7 +628,9 @@ def compile_check(family: str, masking: MaskingConfig | None, *, backend: str, b
         for step in range(2):
             optimizer.zero_grad(set_to_none=True)
             with strategy.autocast():
-                loss, _ = forward_loss(strategy.model, batch(family, dist.get_rank(), step))
+                loss, _ = forward_loss(
+                    strategy.model, batch(family, dist.get_rank(), step), in_model=strategy.loss_in_model
+                )
             loss.backward()
             strategy.after_backward()
             grads = grads or [local(p.grad).clone() for p in strategy.trainable()]

@@ -68,7 +68,7 @@ def _wrapped(
         apply_activation_checkpointing(model, family=cfg.model.family, mode=par.activation_checkpointing)
         if compiled:
             fullgraph = not needs_graph_breaks(model, family=cfg.model.family)
-            apply_compile(model, family=cfg.model.family, fullgraph=fullgraph)
+            apply_compile(model, family=cfg.model.family, fullgraph=fullgraph, backend=str(par.compile_backend))
 
     if not is_sdp(cfg.masking.name):
         model = move_to(build(cfg.model), device)

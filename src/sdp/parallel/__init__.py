@@ -42,6 +42,17 @@ class Precision(StrEnum):
     bf16 = "bf16"
 
 
+class CompileBackend(StrEnum):
+    """parallelism.compile_backend: torch.compile's backend. inductor generates kernels;
+    aot_eager runs the graphs inductor would be given with torch's own kernels (same bits as
+    eager where the graph is the same: a check that the compiled graphs are right); eager only
+    traces."""
+
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
+
+
 class Backend(StrEnum):
     auto = "auto"
     gloo = "gloo"
@@ -109,6 +120,7 @@ class ParallelConfig:
     activation_checkpointing: Checkpointing = Checkpointing.none
     # torch.compile every block's forward (sdp.parallel.compile); None: on CUDA, not on CPU.
     compile: bool | None = None
+    compile_backend: CompileBackend = CompileBackend.inductor
     # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
     mixed_precision: Precision = Precision.fp32
     reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
