@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -112,37 +113,46 @@ def load_model_pt(run_dir: Path, overrides: list[str]):
 # Every process the tests start: torchrun launches (agent and workers) by the test that made
 # them, other subprocesses, and forked ranks (tests/ranks.py); printed at the end of the session.
 TORCHRUNS: list[tuple[str, int]] = []
-OTHER_PROCESSES = [0]
+OTHER_PROCESSES: collections.Counter[str] = collections.Counter()
 _popen_init = subprocess.Popen.__init__
 
 
 def _counting_init(self, args, *rest, **kwargs):
     argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     if "torch.distributed.run" in argv:
         nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
-        TORCHRUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], nproc))
+        TORCHRUNS.append((test, nproc))
     else:
-        OTHER_PROCESSES[0] += 1
+        OTHER_PROCESSES[test.split("::")[0]] += 1
     _popen_init(self, args, *rest, **kwargs)
 
 
 subprocess.Popen.__init__ = _counting_init
 
 
+def process_report(torchruns: list[tuple[str, int]], others: collections.Counter, *, budget: int) -> list[str]:
+    """The end-of-session lines: what the tests started and, above the budget, which tests
+    launched torchrun (an "error:" line, then one line per test)."""
+    workers = sum(n for _, n in torchruns)
+    lines = [
+        f"processes: {len(torchruns)} torchrun launches (budget {budget}) starting {len(torchruns) + workers} "
+        f"processes, {others.total()} other subprocesses, {STARTED['ranks']} forked ranks in {STARTED['jobs']} jobs"
+    ]
+    if others:
+        lines.append(
+            "other subprocesses by file (most first): " + ", ".join(f"{f} {n}" for f, n in others.most_common(5))
+        )
+    if len(torchruns) > budget:
+        lines.append(f"error: {len(torchruns)} torchrun launches exceed LAUNCH_BUDGET={budget}:")
+        by_test = collections.Counter(test for test, _ in torchruns)
+        lines += [f"  {n} {test}" for test, n in sorted(by_test.items())]
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter):
-    launches = len(TORCHRUNS)
-    workers = sum(n for _, n in TORCHRUNS)
-    terminalreporter.write_line(
-        f"processes: {launches} torchrun launches (budget {LAUNCH_BUDGET}) starting {launches + workers} "
-        f"processes, {OTHER_PROCESSES[0]} other subprocesses, {STARTED['ranks']} forked ranks in {STARTED['jobs']} jobs"
-    )
-    if launches > LAUNCH_BUDGET:
-        by_test: dict[str, int] = {}
-        for test, _ in TORCHRUNS:
-            by_test[test] = by_test.get(test, 0) + 1
-        terminalreporter.write_line(f"error: {launches} torchrun launches exceed LAUNCH_BUDGET={LAUNCH_BUDGET}:")
-        for test, n in sorted(by_test.items()):
-            terminalreporter.write_line(f"  {n} {test}")
+    for line in process_report(TORCHRUNS, OTHER_PROCESSES, budget=LAUNCH_BUDGET):
+        terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session):

@@ -1,8 +1,12 @@
 """Multi-process SDP checks: tests/conftest.py's `run_harness` runs `main([SCENARIO, OUT.json])` on
 forked ranks (tests/ranks.py); by hand, `python -m torch.distributed.run --nproc_per_node=K
-tests/dist_harness.py SCENARIO OUT.json`.
-Every rank measures; rank 0 writes what the test asserts on. Measurements,
-not verdicts: the assertions live in the test.
+tests/dist_harness.py SCENARIO OUT.json`. Every rank measures; rank 0 writes what the test
+asserts on. Measurements, not verdicts: the assertions live in the test.
+
+What runs is the product's: each check's strategy is built by `sdp.build.build_strategy` from a
+command line (`overrides`) that `sdp.config` composes and checks, and steps through the
+trainer's `train_step`. The harness keeps only what a test observes: the batches, the byte
+counters, the recorded collectives and predictions from the mask.
 """
 
 from __future__ import annotations
