@@ -215,7 +215,7 @@ def test_neuron_sdp_x_fsdp_bf16_traces_and_halves_the_static_bytes(family):
         ),
         (["parallelism.activation_checkpointing=some"], "parallelism.activation_checkpointing", "none, full"),
         (["parallelism.mixed_precision=fp16"], "parallelism.mixed_precision", "allowed: fp32, bf16"),
-        (["parallelism.compile_backend=cudagraphs"], "parallelism.compile_backend", "allowed: inductor, aot_eager, eager"),
+        (["parallelism.compile_backend=cudagraphs"], "parallelism.compile_backend", "allowed: inductor, aot_eager"),
         (["parallelism.max_comm_groups=0"], "parallelism.max_comm_groups", "must be in [1, 4096]"),
         (["parallelism.comm_group_overhead_mb=-1"], "parallelism.comm_group_overhead_mb", "must be >= 0"),
     ],
