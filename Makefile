@@ -53,9 +53,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q --durations=15
 
-# Every module's unit tests, without the multi-rank jobs and the slow ones (<= 3 min on 2 cores).
+# Every module's unit tests, without the multi-rank jobs and the slow ones, on both cores (<= 3 min).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not dist" --durations=5
+	$(PY) -m pytest -q -n 2 -m "not slow and not dist" --durations=5
 
 # Estimated per-rank memory of the paper-scale configs (GPU-free; about 3 min on 2 cores).
 memory-table: setup

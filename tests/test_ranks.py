@@ -66,8 +66,9 @@ def test_ranks_meet_in_a_fresh_store_per_job(tmp_path):
 
 
 def test_a_nonzero_return_fails_the_job_as_torchrun_does(tmp_path):
+    # (Whether the other rank printed first is a race: a failed rank gets the others stopped.)
     proc = run_ranks("test_ranks:show_world", ["2"], nproc=2, cwd=tmp_path, env=job_env())
-    assert proc.returncode == 1 and len(proc.stdout.splitlines()) == 2
+    assert proc.returncode == 1
 
 
 def test_a_failed_rank_stops_the_others_and_its_traceback_is_kept(tmp_path):
