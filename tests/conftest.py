@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import collections
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -77,7 +79,12 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
 
 
 def tiny_model_cfg(family: str):
-    """The typed model config of the family's tiny model."""
+    """The typed model config of the family's tiny model (a copy: composing costs ~0.1 s)."""
+    return copy.deepcopy(_tiny_model_cfg(family))
+
+
+@functools.cache
+def _tiny_model_cfg(family: str):
     from sdp.config import typed_config
 
     model, dataset = TINY_MODELS[family]

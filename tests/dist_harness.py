@@ -11,11 +11,11 @@ counters, the recorded collectives and predictions from the mask.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
 import os
+import pickle
 import sys
 
 import torch
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdp.build import build_strategy
 from sdp.config import load_config
-from sdp.dist import World, local
+from sdp.dist import World, broadcast_object, local
 from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, computes_loss
@@ -84,14 +84,21 @@ def overrides(
 
 
 @functools.cache
-def _config(line: tuple[str, ...], world_size: int):
-    return load_config(list(line), world_size=world_size, offline=True, check_data=False)[1]
+def _composed(line: tuple[str, ...], world_size: int) -> bytes:
+    return pickle.dumps(load_config(list(line), world_size=world_size, offline=True, check_data=False)[1])
+
+
+def run_config(line: list[str]):
+    """The typed, checked config of `line` for this job's world: composed once per job, by rank 0
+    (Hydra's compose is most of a strategy's build time here), and sent to every rank (collective)."""
+    blob = _composed(tuple(line), dist.get_world_size()) if dist.get_rank() == 0 else None
+    return pickle.loads(broadcast_object(blob))
 
 
 def make(family: str, masking: MaskingConfig | None, comm: CommCounter, **options):
     """The strategy a run of `overrides(family, masking, **options)` trains, built as the
     entrypoint builds it (config composed and checked by `sdp.config`, then `sdp.build`)."""
-    cfg = copy.deepcopy(_config(tuple(overrides(family, masking, **options)), dist.get_world_size()))
+    cfg = run_config(overrides(family, masking, **options))
     world = World(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=dist.get_world_size())
     return build_strategy(cfg, world=world, device=CPU, comm=comm)
 
@@ -314,7 +321,7 @@ def sharded() -> dict:
 @functools.cache  # both granularities' checks compare against the same references (read only)
 def full_grads(family: str, rank: int) -> dict[str, torch.Tensor]:
     """The full model's gradient on `rank`'s first batch, computed in this process alone."""
-    cfg = _config(tuple(overrides(family, None)), 1).model
+    cfg = pickle.loads(_composed(tuple(overrides(family, None)), 1)).model
     torch.manual_seed(0)
     model = build_model(cfg).train()
     loss, _ = forward_loss(model, batch(family, rank, 0), in_model=computes_loss(cfg))
