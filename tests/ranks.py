@@ -38,7 +38,6 @@ PRELOAD = [
     "sdp.models.llama",
     "sdp.models.resnet",
     "sdp.models.swin",
-    "sdp.data.cifar",
     "conftest",
     "ranks",
 ]
