@@ -158,8 +158,8 @@ def process_report(torchruns: list[tuple[str, int]], others: collections.Counter
 
 
 def _counted(config) -> bool:
-    """Whether this process ran the tests: not so for pytest-xdist's controller (make test-fast,
-    -n 2), whose workers each count their own share; the full suite runs without it."""
+    """Whether this session's count is whole: under pytest-xdist (make test-fast's -n 2) each
+    worker sees only its share, so nothing is reported or enforced; make test runs without it."""
     return not config.getoption("numprocesses", None)
 
 
