@@ -1,12 +1,14 @@
 """Sweeps: Hydra's sweep syntax expanded into one torchrun run per job, checked before launch."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from wandb_records import offline_run
 
 from sdp.errors import ConfigError
-from sdp.sweep import expand, plan, run_sweep, split_options
+from sdp.sweep import COUNTS, FLAGS, expand, plan, run_sweep, split_options
 
 BASE = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
 BASE += ["trainer.max_steps=2", "logger=none", "dataset.eval_batches=1", "trainer.progress=false"]
@@ -30,6 +32,43 @@ def test_sweep_options_and_bad_sweeps_are_one_error():
         split_options(["sweep.nprocs=4"])
     with pytest.raises(ConfigError, match="run_dir"):
         expand(["run_dir=a,b"])
+
+
+def _sweep_option_rows() -> list[tuple[str, str, str]]:
+    """The rows of docs/bad-input.md's 'Sweep options' table: (what, option, error)."""
+    text = (Path(__file__).parents[1] / "docs" / "bad-input.md").read_text().split("## Sweep options")[1]
+    row = re.compile(r"^\| (.+?) \| `([^`]*)` \| `(.+)` \|$")
+    return [m.groups() for m in map(row.match, text.splitlines()) if m]
+
+
+SWEEP_OPTION_ROWS = _sweep_option_rows()
+
+
+def test_the_sweep_option_table_covers_every_typed_option():
+    named = {option.split("=")[0].removeprefix("sweep.") for _, option, _ in SWEEP_OPTION_ROWS}
+    assert set(FLAGS) | set(COUNTS) <= named and len(SWEEP_OPTION_ROWS) >= 8
+
+
+@pytest.mark.parametrize("what,option,error", SWEEP_OPTION_ROWS, ids=[r[0] for r in SWEEP_OPTION_ROWS])
+def test_a_bad_sweep_option_is_one_line_and_nothing_runs(what, option, error, tmp_path, capsys):
+    from sdp.train import main
+
+    sweep_dir = tmp_path / "sweep"
+    argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={sweep_dir}"]
+    assert main([*argv, option]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {error}"]
+    assert not sweep_dir.exists()
+
+
+@pytest.mark.parametrize("word", ["on", "YES", "1", "True"])
+def test_every_spelling_of_true_makes_a_dry_run(word, tmp_path):
+    # Before: anything but 1/true/yes (sweep.dry_run=on) launched every job.
+    from sdp.train import main
+
+    argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={tmp_path}"]
+    assert main([*argv, f"sweep.dry_run={word}"]) == 0
+    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["planned", "planned"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]  # no job ran
 
 
 def test_every_job_is_checked_before_anything_runs(tmp_path, capsys):

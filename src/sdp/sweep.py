@@ -69,6 +69,10 @@ SWEEP_KEYS = (
     "name",
 )
 LAUNCHERS = ("torchrun", "slurm", "submitit_local")
+# The typed sweep options: booleans (with their defaults) and whole numbers >= 1.
+FLAGS = {"dry_run": False, "wait": True}
+COUNTS = ("nproc", "nodes", "timeout_min", "cpus_per_task")
+BOOLEAN_WORDS = {**dict.fromkeys(("true", "yes", "on", "1"), True), **dict.fromkeys(("false", "no", "off", "0"), False)}
 
 
 @dataclass
@@ -95,7 +99,33 @@ def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             options[name] = value
         else:
             overrides.append(arg)
+    for name in FLAGS:  # every typed option is checked here, before anything is planned or run
+        flag(options, name)
+    for name in COUNTS:
+        count(options, name, 1)
     return options, overrides
+
+
+def flag(options: dict[str, str], name: str) -> bool:
+    """sweep.NAME as a boolean: true/false, yes/no, on/off or 1/0 (any case); anything else is
+    refused (a misspelt sweep.dry_run must not launch the whole sweep)."""
+    value = options.get(name)
+    if value is None:
+        return FLAGS[name]
+    word = BOOLEAN_WORDS.get(value.strip().lower())
+    if word is None:
+        raise ConfigError(f"sweep.{name}", value, "allowed: true, false (or yes/no, on/off, 1/0)")
+    return word
+
+
+def count(options: dict[str, str], name: str, default: int) -> int:
+    """sweep.NAME as a whole number >= 1 (`default` when it is not given)."""
+    value = options.get(name)
+    if value is None:
+        return default
+    if not re.fullmatch(r"[0-9]+", value.strip()) or int(value) < 1:
+        raise ConfigError(f"sweep.{name}", value, "must be a whole number >= 1")
+    return int(value)
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -140,10 +170,6 @@ def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0, name: 
     return out
 
 
-def _truthy(value: str | None, default: bool) -> bool:
-    return default if value is None else value.lower() in ("1", "true", "yes")
-
-
 def _port(job_id: str) -> int:
     """A rendezvous port every task of one job derives alike from the job id."""
     return 20000 + zlib.crc32(job_id.encode()) % 20000
@@ -172,9 +198,9 @@ def _executor(launcher: str, options: dict[str, str], *, root: Path, nproc: int,
 
     cluster = "slurm" if launcher == "slurm" else "local"
     executor = submitit.AutoExecutor(folder=root / "submitit" / "%j", cluster=cluster)
-    params = {"name": "sdp", "tasks_per_node": nproc, "timeout_min": int(options.get("timeout_min", 4320))}
+    params = {"name": "sdp", "tasks_per_node": nproc, "timeout_min": count(options, "timeout_min", 4320)}
     if cluster == "slurm":
-        params.update(nodes=nodes, gpus_per_node=nproc, cpus_per_task=int(options.get("cpus_per_task", 8)))
+        params.update(nodes=nodes, gpus_per_node=nproc, cpus_per_task=count(options, "cpus_per_task", 8))
         if options.get("partition"):
             params["slurm_partition"] = options["partition"]
     executor.update_parameters(**params)
@@ -186,8 +212,8 @@ def run_sweep(argv: list[str]) -> int:
     2 when no job could run."""
     try:
         options, overrides = split_options(argv)
-        nproc = int(options.get("nproc", torch.cuda.device_count() or 1))
-        nodes = int(options.get("nodes", 1))
+        nproc = count(options, "nproc", torch.cuda.device_count() or 1)
+        nodes = count(options, "nodes", 1)
         launcher = options.get("launcher", "torchrun")
         if launcher not in LAUNCHERS:
             raise ConfigError("sweep.launcher", launcher, f"allowed: {', '.join(LAUNCHERS)}")
@@ -219,7 +245,7 @@ def execute(
         print(redact_text(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}"), flush=True)
     record()
     runnable = [j for j in jobs if j.status == "planned"]
-    if _truthy(options.get("dry_run"), False):
+    if flag(options, "dry_run"):
         return 0 if runnable or any(j.status == "skipped" for j in jobs) else 2
     if launcher == "torchrun":
         for job in runnable:
@@ -242,7 +268,7 @@ def execute(
             submitted.append((job, handle, time.perf_counter()))
             print(f"[{job.index:03d}] submitted as job {handle.job_id}", flush=True)
         record()
-        if not _truthy(options.get("wait"), True):
+        if not flag(options, "wait"):
             return 0
         for job, handle, start in submitted:
             try:
