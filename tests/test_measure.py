@@ -122,6 +122,15 @@ def test_estimator_command_rejects_bad_config_and_writes_json(tmp_path, capsys):
     assert "GiB" in capsys.readouterr().out
 
 
+def test_the_estimator_refuses_a_worker_without_a_block(capsys):
+    # It used to trace worker 4 of 8 holding none of the 4 blocks, at a reported C = 0.125.
+    assert main([*TINY, "masking=forward", "masking.granularity=block", "masking.coverage=0.125", "world_size=8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: masking.coverage=0.125: leaves worker 4 of 8 no block (the model has 4, each held by 1 of 8 "
+        "workers); raise the coverage, use fewer workers or masking.granularity=neuron"
+    ]
+
+
 def test_live_peak_counts_each_kind_and_keeps_nothing_alive():
     import gc
     import weakref

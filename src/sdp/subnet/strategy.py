@@ -133,6 +133,8 @@ def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=No
     )
     if refusal is not None:
         raise refusal
+    if cfg.granularity == "block":
+        _check_every_worker_holds_a_block(spec, mask, cfg, world_size=world_size)
     if cfg.name != "forward":
         return
     for g, group in enumerate(spec.groups):
@@ -144,6 +146,21 @@ def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=No
                     f"leaves worker {worker} of {world_size} no unit of {group.name} ({group.num_units} "
                     f"{group.kind} units); raise the coverage, use fewer workers or masking.granularity=block",
                 )
+
+
+def _check_every_worker_holds_a_block(spec, mask, cfg: MaskingConfig, *, world_size: int) -> None:
+    """Block masking: a worker that holds no block would train only the shared tensors while the
+    run reports coverage C (either masking mode): refused."""
+    blocks = [g for g, group in enumerate(spec.groups) if group.kind == "block"]
+    for worker in range(world_size):
+        if blocks and not any(mask.held_units(worker, g).size for g in blocks):
+            raise ConfigError(
+                "masking.coverage",
+                cfg.coverage,
+                f"leaves worker {worker} of {world_size} no block (the model has {len(blocks)}, each held by "
+                f"{mask.holders} of {world_size} workers); raise the coverage, use fewer workers or "
+                "masking.granularity=neuron",
+            )
 
 
 class SDPStrategy(Strategy):
