@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import launch, read_run
 
-from sdp.checkpoint import check_resume, complete_checkpoints, first_difference
+from sdp.checkpoint import check_resume, complete_checkpoints, first_difference, resume_view
 from sdp.data import build_data
 from sdp.errors import ConfigError
 from sdp.rundir import truncate_metrics
@@ -108,9 +108,10 @@ def test_resume_may_change_logging_but_not_training(tmp_path):
         offline=True,
         check_data=False,
     )
-    assert resume_config(raw) == resume_config(other)
+    assert resume_view(resume_config(raw)) == resume_view(resume_config(other))
     longer, _ = load_config([*TINY, "trainer.max_steps=7"], world_size=2, offline=True, check_data=False)
-    assert first_difference(resume_config(raw), resume_config(longer)) == "trainer.max_steps: 1000 -> 7"
+    diff = first_difference(resume_view(resume_config(raw)), resume_view(resume_config(longer)))
+    assert diff == "trainer.max_steps: 1000 -> 7"
 
 
 @pytest.mark.parametrize(
@@ -154,3 +155,28 @@ def test_a_signal_asks_every_rank_to_stop(tmp_path):
         tdist.destroy_process_group()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.dist
+def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
+    # The config records run_dir as the first launch spelled it; the run dir is the run, so a
+    # trailing slash, a relative path, a symlink or a moved directory all resume it.
+    from sdp.dist import World
+    from sdp.runner import preflight
+
+    monkeypatch.chdir(tmp_path)
+    first = tmp_path / "first"
+    argv = [*TINY, *COMMON, "trainer.stop_at_step=3"]
+    proc = launch([*argv, f"run_dir={first}"], nproc=1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / "link").symlink_to(first)
+    for spelling in (f"{first}/", "first", "./first/", "link", f"{tmp_path}/link/"):
+        _, _, resume = preflight([*TINY, *COMMON, f"run_dir={spelling}"], World(0, 0, 1))
+        assert [c.step for c in resume.candidates] == [3], spelling
+    first.rename(tmp_path / "moved")
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to(tmp_path / "moved")
+    proc = launch([*TINY, *COMMON, "run_dir=link/"], nproc=1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, _ = read_run(tmp_path / "moved")
+    assert summary["status"] == "completed" and summary["resumed_from"] == 3

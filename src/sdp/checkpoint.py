@@ -32,6 +32,7 @@ loading a checkpoint never runs code from it.
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -89,6 +90,42 @@ def complete_checkpoints(run_dir: Path, problems: list[str] | None = None) -> li
     return sorted(out, key=lambda c: c.step)
 
 
+# What a resume may change: where the run lives (a run dir is the run, however its path is
+# spelled: relative, with a trailing slash, through a symlink, or after the directory was
+# moved), settings that do not change what a run computes, and parallelism.fsdp_degree, which
+# like the world size only changes K (checkpoints are portable: the state is re-cut).
+RESUME_MAY_CHANGE = (
+    "run_dir",
+    "output_root",
+    "name",
+    "logger",
+    "trainer.progress",
+    "trainer.stop_at_step",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.on_nonfinite",
+    "trainer.max_nonfinite_skips",
+    "parallelism.timeout_s",
+    "parallelism.fsdp_degree",
+)
+
+
+def resume_view(config: dict | None) -> dict | None:
+    """A copy of a resolved config without the keys a resume may change: what a resume compares
+    (the current launch's with the one its checkpoint recorded, either side of any version)."""
+    if not isinstance(config, dict):
+        return config
+    config = copy.deepcopy(config)
+    for dotted in RESUME_MAY_CHANGE:
+        *path, last = dotted.split(".")
+        node = config
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return config
+
+
 def first_difference(a, b, prefix: str = "") -> str | None:
     """The first dotted key where two nested config containers differ, as 'key: old -> new'."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -135,7 +172,8 @@ def check_resume(run_dir: Path, config: dict, *, restarted: bool = False) -> Res
             )
         return None
     newest = found[-1]
-    diff = first_difference(newest.meta.get("config"), config)
+    config = resume_view(config)
+    diff = first_difference(resume_view(newest.meta.get("config")), config)
     if diff:
         raise ConfigError(
             "run_dir", str(run_dir), f"holds a run with another config ({diff}); resume with the same settings"
@@ -151,7 +189,7 @@ def check_resume(run_dir: Path, config: dict, *, restarted: bool = False) -> Res
 
     # Older checkpoints of the same run are fallbacks only if they agree as well.
     def agrees(c: Checkpoint) -> bool:
-        return c.meta.get("format") == FORMAT and not first_difference(c.meta.get("config"), config)
+        return c.meta.get("format") == FORMAT and not first_difference(resume_view(c.meta.get("config")), config)
 
     return Resume(candidates=[c for c in reversed(found) if agrees(c)], problems=problems)
 

@@ -59,33 +59,11 @@ def pivot_keys(cfg: RunConfig) -> dict:
     return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 
 
-# Settings that do not change what a run computes, and parallelism.fsdp_degree, which like the
-# world size only changes K (checkpoints are portable: the state is re-cut): a resume may
-# change them.
-RESUME_MAY_CHANGE = (
-    "logger",
-    "trainer.progress",
-    "trainer.stop_at_step",
-    "trainer.checkpoint_every",
-    "trainer.keep_checkpoints",
-    "trainer.on_nonfinite",
-    "trainer.max_nonfinite_skips",
-    "parallelism.timeout_s",
-    "parallelism.fsdp_degree",
-)
-
-
 def resume_config(raw: DictConfig) -> dict:
     """The resolved config as a resume compares it with the checkpoint's (secrets redacted:
-    it is written into every checkpoint's meta.json)."""
-    config = redact(OmegaConf.to_container(raw, resolve=True))
-    for dotted in RESUME_MAY_CHANGE:
-        *path, last = dotted.split(".")
-        node = config
-        for key in path:
-            node = node.get(key, {})
-        node.pop(last, None)
-    return config
+    it is written into every checkpoint's meta.json); `sdp.checkpoint.resume_view` leaves out
+    what a resume may change."""
+    return redact(OmegaConf.to_container(raw, resolve=True))
 
 
 def check_run_dir(cfg: RunConfig, raw: DictConfig) -> Resume | None:
