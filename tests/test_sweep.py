@@ -66,9 +66,9 @@ def test_every_spelling_of_true_makes_a_dry_run(word, tmp_path):
     from sdp.train import main
 
     argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={tmp_path}"]
-    assert main([*argv, f"sweep.dry_run={word}"]) == 0
-    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["planned", "planned"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]  # no job ran
+    sweep_dir = tmp_path / "sweep"
+    assert main([*argv, f"sweep.dir={sweep_dir}", f"sweep.dry_run={word}"]) == 0
+    assert not sweep_dir.exists()  # no job ran, and a dry run writes nothing
 
 
 def test_every_job_is_checked_before_anything_runs(tmp_path, capsys):
@@ -76,10 +76,11 @@ def test_every_job_is_checked_before_anything_runs(tmp_path, capsys):
     assert [j.status for j in jobs] == ["invalid", "planned", "planned", "planned"]
     assert jobs[0].error.startswith("masking.coverage=0.5: masking=none holds every unit")
     assert jobs[2].run_dir == str(tmp_path / "002-variant_n_sdp_forward-masking.coverage_0.5")
-    # A dry run lists the jobs and writes sweep.json; nothing is launched.
-    assert run_sweep([*BASE, "variant=ddp", "masking.coverage=0.5", f"sweep.dir={tmp_path}", "sweep.dry_run=true"]) == 2
+    # A dry run lists the jobs; nothing is launched or written.
+    argv = [*BASE, "variant=ddp", "masking.coverage=0.5", f"sweep.dir={tmp_path / 's'}", "sweep.dry_run=true"]
+    assert run_sweep(argv) == 2
     assert "invalid" in capsys.readouterr().out
-    assert json.loads((tmp_path / "sweep.json").read_text())[0]["status"] == "invalid"
+    assert not (tmp_path / "s").exists()
 
 
 def test_every_job_of_a_sweep_shares_its_wandb_group(tmp_path):
@@ -92,7 +93,7 @@ def test_every_job_of_a_sweep_shares_its_wandb_group(tmp_path):
 
 
 @pytest.mark.dist
-def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path):
+def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path, capsys):
     # W&B (offline): every job in the sweep's group, its variant as job_type and top-level config keys.
     argv = [o for o in BASE if o != "logger=none"] + ["logger=wandb", "logger.mode=offline", "sweep.name=paper"]
     argv += ["variant=ddp,n_sdp_forward", "masking.coverage=1.0", "sweep.nproc=2", f"sweep.dir={tmp_path}"]
@@ -111,7 +112,18 @@ def test_a_sweep_runs_each_job_once_and_a_rerun_skips_finished_ones(tmp_path):
         "forward"
     )
     assert run_sweep(argv) == 0  # the same sweep again: nothing left to run
-    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["skipped", "skipped"]
+    record = (tmp_path / "sweep.json").read_text()
+    assert [j["status"] for j in json.loads(record)] == ["skipped", "skipped"]
+    # The same sweep with another setting: a completed job with another config is refused
+    # (before: skipped silently); a dry run of it writes nothing, sweep.json keeps what ran.
+    changed = [a.replace("trainer.max_steps=2", "trainer.max_steps=3") for a in argv]
+    assert run_sweep([*changed, "sweep.dry_run=true"]) == 2
+    assert (tmp_path / "sweep.json").read_text() == record
+    capsys.readouterr()
+    assert run_sweep(changed) == 2
+    out = capsys.readouterr().out
+    assert out.count("holds a completed run with another config (trainer.max_steps: 2 -> 3)") == 2
+    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["invalid", "invalid"]
 
 
 @pytest.mark.dist
@@ -125,12 +137,15 @@ def test_a_failed_job_is_marked_and_the_others_complete(tmp_path):
     assert jobs[1]["exit_code"] == 0 and jobs[1]["error"] is None
 
 
-def test_the_entrypoint_takes_minus_m_as_a_sweep(tmp_path):
+def test_the_entrypoint_takes_minus_m_as_a_sweep(tmp_path, capsys):
     from sdp.train import main
 
     argv = ["-m", *BASE, "variant=ddp,n_sdp_forward", "masking.coverage=1.0", f"sweep.dir={tmp_path}"]
     assert main([*argv, "sweep.dry_run=true"]) == 0
-    assert [j["status"] for j in json.loads((tmp_path / "sweep.json").read_text())] == ["planned", "planned"]
+    out = capsys.readouterr().out
+    assert out.startswith(f"sweep: 2 jobs x 1 processes (torchrun) -> {tmp_path}\n")
+    assert re.findall(r"\[(\d+)\] planned .* variant=(\w+)", out) == [("000", "ddp"), ("001", "n_sdp_forward")]
+    assert not (tmp_path / "sweep.json").exists()
 
 
 @pytest.mark.dist

@@ -47,12 +47,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from sdp import dist
 from sdp.dist import local
 from sdp.errors import ConfigError
 from sdp.parallel import PortableState
-from sdp.rundir import CHECKPOINTS, METRICS, run_status, write_json_atomic
+from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_json_atomic
 
 # meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
 FORMAT = 2
@@ -192,6 +193,28 @@ def check_resume(run_dir: Path, config: dict, *, restarted: bool = False) -> Res
         return c.meta.get("format") == FORMAT and not first_difference(resume_view(c.meta.get("config")), config)
 
     return Resume(candidates=[c for c in reversed(found) if agrees(c)], problems=problems)
+
+
+def check_completed(run_dir: Path, config: dict) -> None:
+    """For a sweep's completed job: one ConfigError unless the run dir's config.yaml is the
+    config this job would run (as a resume compares them); a completed job is skipped only
+    when it ran the settings asked for now."""
+    path = run_dir / CONFIG
+    try:
+        recorded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            "run_dir", str(run_dir), f"holds a completed run whose {CONFIG} is unreadable ({reason})"
+        ) from None
+    diff = first_difference(resume_view(recorded), resume_view(config))
+    if diff:
+        raise ConfigError(
+            "run_dir",
+            str(run_dir),
+            f"holds a completed run with another config ({diff}); it is not run again: remove that run dir "
+            "or give the sweep another sweep.dir",
+        )
 
 
 def file_digest(path: Path) -> str:

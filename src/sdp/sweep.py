@@ -9,6 +9,8 @@ into the cross product of jobs, in Hydra's order. Every job is a full
 - jobs run one after the other, each in its own process group, so a failing
   job does not stop the ones after it;
 - running the same sweep again with the same `sweep.dir=` skips completed jobs
+  whose run dir holds the same config (a completed job with another config is
+  refused, named with the first differing key, and never silently skipped)
   and resumes stopped or failed ones from their checkpoints; a failed job
   without a checkpoint is reported (its run dir is kept for inspection) and
   runs again once that dir is removed;
@@ -20,7 +22,7 @@ Options, given as `sweep.KEY=VALUE` among the overrides:
 `sweep.dir` (default `outputs/sweeps/<time>`), `sweep.name` (every job's W&B group,
 unless `logger.group=` is given; default: the sweep dir's name; each job's W&B
 job_type is its variant), `sweep.dry_run=true` (check and
-list the jobs only), `sweep.launcher`:
+list the jobs only; it writes nothing), `sweep.launcher`:
 
 - `torchrun` (default): here, one job after the other;
 - `slurm`: every job is a Slurm job of `sweep.nodes` nodes x `sweep.nproc`
@@ -50,6 +52,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from sdp import dist, runner
+from sdp.checkpoint import check_completed
 from sdp.compare import launch
 from sdp.config import load_config
 from sdp.errors import ConfigError
@@ -158,14 +161,15 @@ def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0, name: 
     for i, job in enumerate(jobs, start):
         run_dir = job_dir(root, i, job, swept)
         status, error = "planned", None
-        if run_status(run_dir) == "completed":
-            status = "skipped"
-        else:
-            try:
-                raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
+        try:
+            raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
+            if run_status(run_dir) == "completed":
+                check_completed(run_dir, runner.resume_config(raw))
+                status = "skipped"
+            else:
                 runner.check_run_dir(cfg, raw)
-            except ConfigError as err:
-                status, error = "invalid", str(err)
+        except ConfigError as err:
+            status, error = "invalid", str(err)
         out.append(Job(i, job, str(run_dir), status, error))
     return out
 
@@ -234,7 +238,6 @@ def execute(
     stopping the others, recording each in ROOT/sweep.json; 0 when every valid job completed,
     1 when one failed, 2 when no job could run."""
     options = options or {}
-    root.mkdir(parents=True, exist_ok=True)
 
     def record() -> None:
         (root / "sweep.json").write_text(json.dumps(redact([asdict(j) for j in jobs]), indent=2) + "\n")
@@ -243,10 +246,11 @@ def execute(
     for job in jobs:
         note = f"  ({job.error})" if job.error else ""
         print(redact_text(f"  [{job.index:03d}] {job.status:<8} {' '.join(job.overrides)}{note}"), flush=True)
-    record()
     runnable = [j for j in jobs if j.status == "planned"]
-    if flag(options, "dry_run"):
+    if flag(options, "dry_run"):  # lists the plan and writes nothing: sweep.json keeps what ran
         return 0 if runnable or any(j.status == "skipped" for j in jobs) else 2
+    root.mkdir(parents=True, exist_ok=True)
+    record()
     if launcher == "torchrun":
         for job in runnable:
             job.exit_code, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
