@@ -127,8 +127,9 @@ _popen_init = subprocess.Popen.__init__
 def _counting_init(self, args, *rest, **kwargs):
     argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
     test = os.environ.get("PYTEST_CURRENT_TEST", "(outside any test)").split(" ")[0]
-    if "torch.distributed.run" in argv:
-        nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
+    flags = ("--nproc_per_node=", "--nproc-per-node=")  # torchrun's, or the entrypoint as launcher (sdp.launch)
+    if "torch.distributed.run" in argv or any(a.startswith(flags) for a in argv):
+        nproc = next((int(a.split("=")[1]) for a in argv if a.startswith(flags)), 1)
         TORCHRUNS.append((test, nproc))
     else:
         OTHER_PROCESSES[test.split("::")[0]] += 1

@@ -19,7 +19,17 @@ LAYERS = [
     ("sdp.subnet", "sdp.baselines"),
     ("sdp.trainer", "sdp.meter", "sdp.nonfinite", "sdp.checkpoint", "sdp.rundir", "sdp.config", "sdp.build"),
     ("sdp.runner", "sdp.cli"),
-    ("sdp.train", "sdp.sweep", "sdp.estimate", "sdp.collect", "sdp.claims", "sdp.rho", "sdp.compare", "sdp.export"),
+    (
+        "sdp.train",
+        "sdp.launch",
+        "sdp.sweep",
+        "sdp.estimate",
+        "sdp.collect",
+        "sdp.claims",
+        "sdp.rho",
+        "sdp.compare",
+        "sdp.export",
+    ),
 ]
 
 

@@ -147,10 +147,11 @@ def test_a_signal_asks_every_rank_to_stop(tmp_path):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        stop = StopSignals(torch.device("cpu"))
+        stop = StopSignals(torch.device("cpu"), launched=False)
         assert not stop()
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop()
+        assert stop() and stop.reason == "SIGUSR1"
+        stop.close()
     finally:
         tdist.destroy_process_group()
         for sig, handler in previous.items():

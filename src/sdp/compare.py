@@ -1,7 +1,7 @@
 """Run several variants of one configuration with torchrun and compare them with the first.
 
 Used by `scripts/demo.py` (make run) and `scripts/bench_sdp.py`: each variant is
-one `torchrun -m sdp.train` launch whose run dir keeps config.yaml,
+one `python -m sdp.train --nproc-per-node=N` launch whose run dir keeps config.yaml,
 metrics.jsonl and summary.json; the table is built from the summaries.
 """
 
@@ -35,13 +35,25 @@ def torchrun_command(nproc: int, *target: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
 
 
+def train_command(nproc: int, *args: str) -> list[str]:
+    """`python -m sdp.train --nproc-per-node=nproc ARGS...` with this interpreter: the entrypoint
+    as its own launcher (`sdp.launch`)."""
+    return [sys.executable, "-m", "sdp.train", f"--nproc-per-node={nproc}", *args]
+
+
 def launch(overrides: list[str], *, run_dir: Path, nproc: int) -> tuple[int, float]:
-    """One `torchrun --standalone -m sdp.train` run; returns (exit code, wall seconds)."""
-    cmd = torchrun_command(nproc, "-m", "sdp.train", *overrides, f"run_dir={run_dir}")
-    print("$ torchrun", " ".join(cmd[4:]), flush=True)
+    """One `python -m sdp.train --nproc-per-node=nproc` run; returns (exit code, wall seconds).
+    Ctrl-C reaches the run as well, which stops with a checkpoint and says so: this waits for it
+    (exit code 130) rather than killing it."""
+    cmd = train_command(nproc, *overrides, f"run_dir={run_dir}")
+    print("$ python", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
-    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    return rc, time.perf_counter() - start
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    while True:
+        try:
+            return proc.wait(), time.perf_counter() - start
+        except KeyboardInterrupt:
+            continue
 
 
 def run_variants(base: list[str], variants: list[tuple[str, list[str]]], *, root: Path, nproc: int) -> list[Result]:

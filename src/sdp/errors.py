@@ -35,3 +35,12 @@ class PeerLost(RunFailed):
     def __init__(self, message: str, *, reporter: bool):
         super().__init__(message)
         self.reporter = reporter
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C that stopped a run at once (a second one, or one before the loop could stop it
+    at a step): the last step done, and the step the same command resumes from (None: the start)."""
+
+    def __init__(self, step: int, resumes_from: int | None):
+        super().__init__(step, resumes_from)
+        self.step, self.resumes_from = step, resumes_from

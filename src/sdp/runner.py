@@ -29,7 +29,7 @@ from sdp.checkpoint import (
 )
 from sdp.config import RunConfig, load_config, typed_config, validate
 from sdp.data import DataBundle, build_data, data_tokenizer_file, prepare_data
-from sdp.errors import ConfigError, PeerLost, RunFailed
+from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed
 from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
@@ -86,21 +86,36 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig) -> Resume | None:
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 (a scheduler's preemption notice; torchrun passes SIGTERM on to its
-    workers) ask the run to checkpoint and stop after the current step."""
+    """Signals that ask the run to checkpoint and stop after the current log step: SIGTERM and
+    SIGUSR1 (a scheduler's preemption notice; torchrun passes SIGTERM on to its workers) and
+    SIGINT (Ctrl-C). A second Ctrl-C stops at once (KeyboardInterrupt); under a launcher, whose
+    agent passes the first one on as well, only one that comes `repeat_s` after the first.
+    Installed for the training loop, then `close()` gives the handlers back."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.flag = device, False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+    def __init__(self, device: torch.device, *, launched: bool, repeat_s: float = 2.0):
+        self.device, self.launched, self.repeat_s = device, launched, repeat_s
+        self.reason: str | None = None
+        self._first_sigint: float | None = None
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        }
 
     def _handle(self, signum, frame) -> None:
-        self.flag = True
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is not None and not (self.launched and now - self._first_sigint < self.repeat_s):
+                raise KeyboardInterrupt
+            self._first_sigint = self._first_sigint or now
+        self.reason = self.reason or signal.Signals(signum).name
 
     def __call__(self) -> bool:
         """Whether any rank was signalled (collective: every rank agrees)."""
-        t = torch.tensor([float(self.flag)], device=self.device)
+        t = torch.tensor([float(self.reason is not None)], device=self.device)
         return dist.all_reduce_(t, op="max").item() > 0
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int, start_batch: int = 0):
@@ -190,6 +205,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend, device=device, timeout_s=cfg.parallelism.timeout_s)
     summary, logger, reporter = _new_summary(cfg, world=world, device=device), None, world.is_main
+    start_step = 0
     try:
         ckpt = pick_checkpoint(resume, world=world)
         start_step = ckpt.step if ckpt else 0
@@ -215,7 +231,22 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             f"run dir: {run_dir}  ({cfg.model.name}: {summary.n_params / 1e6:.2f}M params, "
             f"{world.world_size} x {built.micro} per step, {cfg.trainer.max_steps} steps, {device.type}/{backend})",
         )
-        _train(cfg, raw, built, summary, world=world, device=device, logger=logger, run_dir=run_dir, ckpt=ckpt)
+        signals = StopSignals(device, launched=dist.under_launcher())
+        try:
+            _train(
+                cfg,
+                raw,
+                built,
+                summary,
+                world=world,
+                device=device,
+                logger=logger,
+                run_dir=run_dir,
+                ckpt=ckpt,
+                signals=signals,
+            )
+        finally:
+            signals.close()
         if world.is_main and cfg.trainer.export == "hf" and (run_dir / rundir.MODEL).is_file():
             export_model(
                 run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token
@@ -223,9 +254,10 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             summary.export = exported_files(run_dir)
         summary.status = "stopped" if summary.stopped_at else "completed"
         return summary
-    except KeyboardInterrupt:
-        summary.status = "interrupted"
-        raise
+    except KeyboardInterrupt as err:  # Ctrl-C before the loop, or twice: the steps done are kept
+        stop = err if isinstance(err, Interrupted) else Interrupted(start_step, start_step or None)
+        summary.status, summary.steps, summary.resumes_from = "interrupted", stop.step, stop.resumes_from
+        raise stop from None
     except Exception as err:
         collective = dist.failed_collective(err)
         if collective is None:
@@ -356,7 +388,7 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
     return Built(data, micro, comm, strategy, optimizer, scheduler, measured)
 
 
-def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt) -> None:
+def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt, signals) -> None:
     """The training loop with its components (meter, NaN/Inf policy, checkpointer, evaluation),
     then the end-of-run figures, into `summary`."""
     start_step, tcfg = ckpt.step if ckpt else 0, cfg.trainer
@@ -427,9 +459,11 @@ def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, r
             model_path=run_dir / rundir.MODEL if tcfg.save_model else None,
         ),
         start_step=start_step,
-        stop_requested=StopSignals(device),
+        stop_requested=signals,
     )
     summary.update(loop)
+    if summary.stopped_at:
+        summary.stopped_by = signals.reason or "trainer.stop_at_step"
     summary.update(
         meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
     )
@@ -464,9 +498,18 @@ def main(overrides: list[str]) -> int:
         if err.reporter if isinstance(err, PeerLost) else world.is_main:
             print(redact_text(f"error: {err}"), file=sys.stderr, flush=True)
         return 3
+    except KeyboardInterrupt as err:  # Ctrl-C twice, or before the loop: one line, no traceback
+        step, resumes = (err.step, err.resumes_from) if isinstance(err, Interrupted) else (0, None)
+        if world.is_main:
+            print(f"interrupted after step {step}; {resume_hint(resumes)}", file=sys.stderr, flush=True)
+        return 130
     if world.is_main:
         print_result(summary)
-    return 0
+    return 130 if summary.stopped_by == "SIGINT" else 0
+
+
+def resume_hint(step: int | None) -> str:
+    return f"the same command resumes from step {step}" if step else "the same command starts it again"
 
 
 def print_result(summary: Summary) -> None:
@@ -477,7 +520,12 @@ def print_result(summary: Summary) -> None:
     speed = summary.tokens_or_samples_per_s
     speed = "" if speed is None else f"{speed:.1f} {summary.throughput_unit}, "
     peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**20:.1f} MiB/rank"
-    verb = "stopped" if summary.stopped_at else "done"
+    verb = "done"
+    if summary.stopped_at:
+        by = {"SIGINT": "Ctrl-C", "trainer.stop_at_step": "trainer.stop_at_step"}.get(
+            summary.stopped_by, summary.stopped_by
+        )
+        verb = f"stopped ({by}); {resume_hint(summary.resumes_from)}"
     print(
         f"{verb}: {summary.steps} steps, {quality}, {speed}"
         f"params+grads+optim {summary.static_bytes / 2**20:.1f} MiB/rank{peak}, "

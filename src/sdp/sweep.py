@@ -75,6 +75,7 @@ LAUNCHERS = ("torchrun", "slurm", "submitit_local")
 # The typed sweep options: booleans (with their defaults) and whole numbers >= 1.
 FLAGS = {"dry_run": False, "wait": True}
 COUNTS = ("nproc", "nodes", "timeout_min", "cpus_per_task")
+INTERRUPTED = 130  # a job's (and the sweep's) exit code after Ctrl-C
 BOOLEAN_WORDS = {**dict.fromkeys(("true", "yes", "on", "1"), True), **dict.fromkeys(("false", "no", "off", "0"), False)}
 
 
@@ -83,7 +84,9 @@ class Job:
     index: int
     overrides: list[str]
     run_dir: str
-    status: str  # invalid | planned | submitted | completed | stopped | failed | skipped (already completed)
+    status: (
+        str  # invalid | planned | submitted | completed | stopped | interrupted | failed | skipped (already completed)
+    )
     error: str | None = None
     wall_s: float | None = None
     cluster_id: str | None = None  # the Slurm (or local submitit) job id
@@ -256,10 +259,20 @@ def execute(
             job.exit_code, job.wall_s = launch(job.overrides, run_dir=Path(job.run_dir), nproc=nproc)
             summary = read_summary(Path(job.run_dir))
             status = summary.status if summary else None
+            if job.exit_code == INTERRUPTED:  # Ctrl-C: the job said where it stopped; so does the sweep
+                job.status = status if status in ("stopped", "interrupted") else "interrupted"
+                record()
+                done = sum(j.status in ("completed", "skipped") for j in jobs)
+                print(
+                    f"sweep interrupted at job [{job.index:03d}] ({done} of {len(jobs)} jobs done); "
+                    "the same command goes on from there",
+                    flush=True,
+                )
+                return INTERRUPTED
             ok = job.exit_code == 0 and status in ("completed", "stopped")
             job.status = status if ok else "failed"
             if not ok:
-                job.error = (summary and summary.error) or f"torchrun exited with code {job.exit_code}"
+                job.error = (summary and summary.error) or f"the launch exited with code {job.exit_code}"
             note = "" if ok else f" (exit code {job.exit_code}: {job.error})"
             print(redact_text(f"[{job.index:03d}] {job.status} in {job.wall_s:.0f} s: {job.run_dir}{note}"), flush=True)
             record()

@@ -1,4 +1,5 @@
-"""The single entrypoint: `torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]`.
+"""The single entrypoint: `python -m sdp.train --nproc-per-node=N [group=option ...] [key=value ...]`
+(torchrun's agent in this process, `sdp.launch`), or `torchrun --nproc_per_node=N -m sdp.train ...`.
 
 compose config -> validate (before any process group) -> build -> train -> close (`sdp.runner`);
 with `-m`, a sweep of such runs (`sdp.sweep`); `--help`, `--cfg job` and `--config-dir DIR`
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sdp import dist, runner
+from sdp import dist, launch, runner
 from sdp.cli import help_text, parse_command_line, show_config
 from sdp.errors import ConfigError
 from sdp.sweep import run_sweep
@@ -18,14 +19,22 @@ from sdp.sweep import run_sweep
 
 def main(argv: list[str] | None = None) -> int:
     world = dist.world_from_env()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        line = parse_command_line(sys.argv[1:] if argv is None else argv)
+        options, worker_argv = launch.split_options(argv)  # torchrun's: this process launches the workers
+        line = parse_command_line(worker_argv)
+        if options and (dist.under_launcher() or line.multirun):
+            name = next(iter(options))
+            where = "a sweep takes sweep.nproc=N" if line.multirun else "this process is a worker of a launch already"
+            raise ConfigError(f"--{name}", options[name] or None, where)
         if line.help or line.cfg:  # print and start nothing (every rank under torchrun; rank 0 prints)
             dist.print0(world, help_text(line.overrides) if line.help else show_config(line.overrides, line.cfg))
             return 0
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
         return 2
+    if options:
+        return launch.main(options, worker_argv, line.overrides)
     if line.multirun:  # a sweep: one torchrun launch per job
         if dist.under_launcher():
             dist.print0(
@@ -43,7 +52,11 @@ def cli() -> None:
     teardown, where a gloo thread still owned by a collected process group occasionally
     aborts the process ("terminate called without an active exception", ~1 run in 12 with
     FSDP on CPU), which would turn a finished run into a failed job."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before any run started (a run reports its own)
+        print("interrupted; no run was in progress", file=sys.stderr)
+        code = 130
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -18,7 +18,7 @@ from sdp import dist
 from sdp.checkpoint import Checkpointer
 from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
-from sdp.errors import ConfigError
+from sdp.errors import ConfigError, Interrupted
 from sdp.meter import Meter, PhaseTimer
 from sdp.metrics.logger import RunLogger
 from sdp.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
@@ -307,10 +307,11 @@ def train(
             strategy, optimizer, batches, cfg=cfg, micro=micro, device=device, timer=meter.timer, guard=nonfinite.guard
         )
 
-    stopped_at, evals = None, {}
+    stopped_at, evals, done = None, {}, start_step
     try:
         bar.update(start_step)
         for step in range(start_step + 1, cfg.max_steps + 1):
+            done = step - 1
             try:
                 meter.add_loss(meter.run(step, run_step), nonfinite.applied())
             except NonFiniteStep as bad:  # raised on every rank before the update: the model is the last good one
@@ -341,13 +342,15 @@ def train(
                 checkpointer.save(step, meter.measured())
             if stopping:
                 stopped_at = step
-                _say_stopped(step, written=checkpointer.written_ok, bar=bar, world=world)
                 break
+    except KeyboardInterrupt:  # a second Ctrl-C: the steps done so far, and where a resume starts
+        raise Interrupted(done, checkpointer.last) from None
     finally:  # the bar ends its line before anything else is printed
         bar.close()
     return {
         "steps": stopped_at or cfg.max_steps,
         "stopped_at": stopped_at,
+        "resumes_from": checkpointer.last if stopped_at else None,
         "resumed_from": start_step or None,
         "train_loss": meter.train_loss,
         **evals,
@@ -378,9 +381,3 @@ def _log_eval(step: int, evals: dict, *, logger: RunLogger, bar: tqdm, world: di
     logger.log({"step": step, **evals})
     if world.is_main:
         bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
-
-
-def _say_stopped(step: int, *, written: bool, bar: tqdm, world: dist.World) -> None:
-    if world.is_main:
-        where = "its checkpoint" if written else "the checkpoint before (this one could not be written)"
-        bar.write(f"stopped after step {step}; the same command resumes from {where}")

@@ -76,7 +76,9 @@ class Summary:
     # How far it got, and the loss (the last log window's mean over every rank).
     steps: int | None = None
     stopped_at: int | None = None
+    stopped_by: str | None = None  # trainer.stop_at_step, SIGINT (Ctrl-C), SIGTERM or SIGUSR1
     resumed_from: int | None = None
+    resumes_from: int | None = None  # a stopped or interrupted run: the step the same command resumes from
     # Every resume of the run so far, in order: {"step", "world_size", "checkpointed_with"}
     # (the world size of the launch that resumed, and of the one that wrote the checkpoint).
     resumes: list[dict] = field(default_factory=list)
