@@ -2,8 +2,8 @@
 that imported torch, the package and each model family's library once per test session.
 
 `run_ranks("sdp.train:main", argv, nproc=2, cwd=..., env=...)` runs `main(argv)` on each of
-`nproc` ranks and returns what `torchrun --standalone --nproc_per_node=nproc` would: a
-CompletedProcess whose returncode is 0 when every rank returned 0 and 1 otherwise, with the
+`nproc` ranks and returns what `python -m sdp.train --nproc-per-node=nproc` would: a
+CompletedProcess whose returncode is the entrypoint's launcher's (`job_exit_code`), with the
 ranks' stdout and stderr in rank order. Each rank gets what torchrun gives a worker: RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and a fresh store's MASTER_ADDR and MASTER_PORT,
 in the caller's `env` and `cwd`, with one thread. As torchrun does, a rank that fails gets
@@ -167,5 +167,15 @@ def run_ranks(
         out, err = ("".join(_read(Path(logs, f"{r}.{kind}")) for r in range(nproc)) for kind in ("out", "err"))
     if not finished:
         raise TimeoutError(f"{target} {args} on {nproc} ranks: not done after {timeout} s\n{err[-4000:]}")
-    code = 0 if all(p.exitcode == 0 for p in procs) else 1
-    return subprocess.CompletedProcess([target, *map(str, args)], code, out, err)
+    return subprocess.CompletedProcess([target, *map(str, args)], job_exit_code([p.exitcode for p in procs]), out, err)
+
+
+def job_exit_code(codes: list[int]) -> int:
+    """What `python -m sdp.train --nproc-per-node=N` (sdp.launch) exits with: 0 when every rank
+    returned 0, else the code of the lowest rank that exited on its own with one (2, 3, 130...),
+    else 128 + the signal that stopped the lowest failed rank."""
+    own = [c for c in codes if c and c > 0]
+    if own:
+        return own[0]
+    stopped = [c for c in codes if c]
+    return 128 - stopped[0] if stopped else 0

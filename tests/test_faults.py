@@ -145,7 +145,8 @@ def test_a_full_disk_and_a_damaged_checkpoint_lose_nothing(tmp_path, reference):
     proc = with_fault("enospc:1:4", [*RUN, f"run_dir={run_dir}", "trainer.stop_at_step=6"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
-    assert len(warnings) == 1 and "step 4 not written (rank 1: the disk is full" in warnings[0], proc.stderr[-2000:]
+    assert len(warnings) == 1 and "step 4 not written (rank 1: " in warnings[0], proc.stderr[-2000:]
+    assert "step_00000004.partial/rank00001.pt: no space left on device, " in warnings[0]
     assert "kept step_00000002" in warnings[0]
     summary, _ = read_run(run_dir)
     assert summary["status"] == "stopped" and summary["checkpoint_failures"] == 1
@@ -218,3 +219,67 @@ def test_a_nan_under_a_fused_optimizer_is_found_at_the_next_log_step_and_never_a
     summary, records = read_run(run_dir)
     assert summary["status"] == "failed"
     assert all(r["step"] <= 2 for r in records)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_mib: int):
+    """A tmpfs of `size_mib` at `path`: a real full disk (torch.save then fails as it does on
+    one, with its zip writer's RuntimeError). Needs root, as this machine and CI have."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+# The tiny LLaMA's model.pt and hf/model.safetensors are 7.1 MB each, a checkpoint (Adam's
+# state too) 21 MB: on 12 MiB the checkpoint and the export cannot be written, model.pt can.
+FULL_DISK_RUN = [*RUN[:5], "trainer.max_steps=4", *RUN[6:9], "trainer.checkpoint_every=2", "masking=none"]
+
+
+def test_a_full_disk_at_the_end_keeps_a_finished_run_whole(tmp_path):
+    from sdp.collect import build_rows, find_runs
+    from sdp.export import main as export_main
+
+    with small_disk(tmp_path / "disk", 12) as disk:
+        run_dir = disk / "run"
+        proc = launch([*FULL_DISK_RUN, f"run_dir={run_dir}"], nproc=1, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+        part = run_dir / "checkpoints" / "step_00000002.partial" / "rank00000.pt"
+        assert warnings[0].startswith(
+            f"warning: checkpoint of step 2 not written (rank 0: {part}: no space left on device"
+        )
+        assert warnings[1].startswith(f"warning: the export was not written ({run_dir / 'hf'}: no space left on device")
+        assert warnings[1].endswith(
+            f"the run is complete and its model.pt whole: python -m sdp.export {run_dir} writes it"
+        )
+        assert len(warnings) == 2 and "Traceback" not in proc.stderr
+        summary, _ = read_run(run_dir)
+        assert summary["status"] == "completed" and summary["steps"] == 4 and summary["export"] == []
+        assert summary["export_error"].startswith(f"{run_dir / 'hf'}: no space left on device")
+        assert not (run_dir / "hf").exists() and (run_dir / "model.pt").is_file()  # nothing half-written
+        assert [t["rows"][0]["runs"] for t in build_rows(find_runs([disk])).values()] == [1]  # collect has it
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space again
+        assert export_main([str(run_dir)]) == 0
+        assert (run_dir / "hf" / "model.safetensors").is_file()
+
+
+def test_a_final_model_that_cannot_be_written_is_one_line(tmp_path):
+    with small_disk(tmp_path / "disk", 6) as disk:  # model.pt (7.1 MB) does not fit
+        run_dir = disk / "run"
+        proc = launch([*FULL_DISK_RUN, "trainer.checkpoint_every=0", f"run_dir={run_dir}"], nproc=1, cwd=tmp_path)
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(
+            f"error: the final model was not written: {run_dir / 'model.pt'}: no space left on device"
+        )
+        assert line.endswith("; no checkpoint was kept: free space, then start it again in a new run_dir")
+        summary, _ = read_run(run_dir)
+        assert summary["status"] == "failed" and summary["error"] == line.removeprefix("error: ")
+        assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from conftest import TORCHRUNS, job_env, process_report
-from ranks import run_ranks
+from ranks import job_exit_code, run_ranks
 
 WORLD_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS", "PROBE")
 
@@ -65,10 +65,11 @@ def test_ranks_meet_in_a_fresh_store_per_job(tmp_path):
         assert proc.stdout.splitlines() == ["sum=6 threads=1"] * 3
 
 
-def test_a_nonzero_return_fails_the_job_as_torchrun_does(tmp_path):
+def test_a_nonzero_return_fails_the_job_as_the_launcher_does(tmp_path):
     # (Whether the other rank printed first is a race: a failed rank gets the others stopped.)
     proc = run_ranks("test_ranks:show_world", ["2"], nproc=2, cwd=tmp_path, env=job_env())
-    assert proc.returncode == 1
+    assert proc.returncode == 2
+    assert [job_exit_code(c) for c in ([0, 0], [-15, 3], [1, -15], [-9, -15], [0, 130])] == [0, 3, 1, 137, 130]
 
 
 def test_a_failed_rank_stops_the_others_and_its_traceback_is_kept(tmp_path):

@@ -33,7 +33,6 @@ loading a checkpoint never runs code from it.
 from __future__ import annotations
 
 import copy
-import errno
 import hashlib
 import json
 import os
@@ -53,7 +52,7 @@ from sdp import dist
 from sdp.dist import local
 from sdp.errors import ConfigError
 from sdp.parallel import PortableState
-from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_json_atomic
+from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_error, write_json_atomic
 
 # meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
 FORMAT = 2
@@ -309,12 +308,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _describe(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return f"the disk is full ({err})"
-    return f"{type(err).__name__}: {err}"
-
-
 def save_checkpoint(
     run_dir: Path,
     *,
@@ -344,7 +337,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         except OSError as err:
-            error = f"rank 0: {_describe(err)}"
+            error = f"rank 0: {write_error(err, tmp)}"
     error = dist.broadcast_object(error)
     entries: dict[str, dict] = {}
     portable = strategy.portable_state(optimizer)  # collective: every rank, whatever happened above
@@ -353,7 +346,7 @@ def save_checkpoint(
             state = _rank_state(step, portable, scheduler, world=world, device=device, measured=measured)
             entries[_file(tmp, world.rank).name] = _write(state, _file(tmp, world.rank))
         except Exception as err:  # noqa: BLE001 - reported to every rank below, then training goes on
-            error = f"rank {world.rank}: {_describe(err)}"
+            error = f"rank {world.rank}: {write_error(err, _file(tmp, world.rank))}"
     parts = dist.gather_objects((entries, error))
     errors = [e for _, e in parts if e]
     if world.is_main and not errors:
@@ -423,7 +416,7 @@ def _commit(tmp: Path, final: Path, meta: dict) -> list[str]:
         tmp.rename(final)
         _fsync_dir(final.parent)
     except OSError as err:
-        return [f"rank 0: {_describe(err)}"]
+        return [f"rank 0: {write_error(err, tmp / 'meta.json')}"]
     return []
 
 

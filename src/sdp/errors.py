@@ -28,6 +28,11 @@ class RunFailed(RuntimeError):
     every rank raises it, and the entrypoint reports it as one line with exit code 3."""
 
 
+class WriteFailed(RunFailed):
+    """A file the run needs (its final model) could not be written, a full disk say: every rank
+    raises it, with one line naming the path (`sdp.rundir.write_error`)."""
+
+
 class PeerLost(RunFailed):
     """A collective that timed out or lost a peer (a hung or dead rank). Every rank that is
     still responding raises it; the lowest of them (`reporter`) prints it and writes summary.json."""

@@ -148,8 +148,9 @@ def _run_agent(argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(parse_args(argv))
-    except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
+    except ChildFailedError as err:  # the lowest rank that exited on its own, else the first stopped
+        failures = sorted(err.failures.items(), key=lambda item: (item[1].exitcode < 0, item[0]))
+        rank, failure = failures[0]
         return _explain(rank, failure.exitcode)
     except SignalException as err:  # the workers had the signal too, and have said where they stopped
         return 128 + int(err.sigval)

@@ -5,7 +5,9 @@ the run ends. `sdp.train` (the entrypoint) and a sweep's Slurm tasks call `main`
 from __future__ import annotations
 
 import copy
+import errno
 import functools
+import shutil
 import signal
 import sys
 import time
@@ -29,7 +31,7 @@ from sdp.checkpoint import (
 )
 from sdp.config import RunConfig, load_config, typed_config, validate
 from sdp.data import DataBundle, build_data, data_tokenizer_file, prepare_data
-from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed
+from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed, WriteFailed
 from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
@@ -37,8 +39,8 @@ from sdp.nonfinite import NonFinitePolicy
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact, redact_text, redact_yaml
-from sdp.rundir import Summary, variant_label
-from sdp.rundir.export import export_model, exported_files
+from sdp.rundir import Summary, variant_label, write_error
+from sdp.rundir.export import EXPORT_DIR, export_model, exported_files
 from sdp.trainer import Evaluation, micro_batch_size, train
 
 
@@ -248,10 +250,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         finally:
             signals.close()
         if world.is_main and cfg.trainer.export == "hf" and (run_dir / rundir.MODEL).is_file():
-            export_model(
-                run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token
-            )
-            summary.export = exported_files(run_dir)
+            _export(cfg, run_dir, summary)
         summary.status = "stopped" if summary.stopped_at else "completed"
         return summary
     except KeyboardInterrupt as err:  # Ctrl-C before the loop, or twice: the steps done are kept
@@ -261,18 +260,65 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
     except Exception as err:
         collective = dist.failed_collective(err)
         if collective is None:
-            summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
-            raise
+            written = _write_failure(err, run_dir=summary.run_dir)
+            summary.status, summary.error = "failed", str(written or f"{type(err).__name__}: {err}")
+            if written is None:
+                raise
+            raise written from err
         lost = peer_lost(collective, err, world=world, timeout_s=cfg.parallelism.timeout_s, run_dir=summary.run_dir)
         summary.status, summary.error, reporter = "failed", str(lost), lost.reporter
         raise lost from err
     finally:
         if logger is not None:
             if reporter:
-                rundir.write_summary(Path(summary.run_dir), summary)
+                _write_summary(Path(summary.run_dir), summary)
             logger.summary(summary.to_json())
             logger.close(exit_code=0 if summary.status == "completed" else 1)
         dist.destroy_process_group()
+
+
+def _write_failure(err: BaseException, *, run_dir: str | None) -> WriteFailed | None:
+    """A run dir file that could not be written (model.pt, or any write on a full disk) as one
+    line with what the same command then does; None for any other error."""
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not (isinstance(err, WriteFailed) or full) or run_dir is None:
+        return None
+    line = str(err) if isinstance(err, WriteFailed) else write_error(err, Path(err.filename or run_dir))
+    found = complete_checkpoints(Path(run_dir))
+    then = (
+        f"free space, then the same command resumes from step {found[-1].step}"
+        if found
+        else "no checkpoint was kept: free space, then start it again in a new run_dir"
+    )
+    return WriteFailed(f"{line}; {then}")
+
+
+def _write_summary(run_dir: Path, summary: Summary) -> None:
+    """summary.json, or one line saying why it could not be written (the run's outcome stands)."""
+    try:
+        rundir.write_summary(run_dir, summary)
+    except OSError as err:
+        print(f"error: summary.json not written: {write_error(err, run_dir / rundir.SUMMARY)}", file=sys.stderr)
+
+
+def _export(cfg: RunConfig, run_dir: Path, summary: Summary) -> None:
+    """Rank 0: RUN_DIR/hf/ from model.pt. A failed export (a full disk) does not fail a run
+    whose training finished and whose model.pt is whole: hf/ is removed rather than left
+    half-written, one warning line names the path, and `python -m sdp.export RUN_DIR` writes it
+    later; `summary.export_error` keeps the reason."""
+    try:
+        export_model(run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token)
+    except Exception as err:  # noqa: BLE001 - reported in one line; the run itself is complete
+        shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
+        summary.export_error = write_error(err, run_dir / EXPORT_DIR)
+        print(
+            f"warning: the export was not written ({summary.export_error}); the run is complete and its "
+            f"model.pt whole: python -m sdp.export {run_dir} writes it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    summary.export = exported_files(run_dir)
 
 
 # How long the ranks whose collective failed wait for each other's reports (a hung rank sends none).

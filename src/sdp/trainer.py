@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from sdp import dist
 from sdp.checkpoint import Checkpointer
 from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
-from sdp.errors import ConfigError, Interrupted
+from sdp.errors import ConfigError, Interrupted, WriteFailed
 from sdp.meter import Meter, PhaseTimer
 from sdp.metrics.logger import RunLogger
 from sdp.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
 from sdp.parallel import Strategy
+from sdp.rundir import write_error
 
 
 class Protocol(StrEnum):
@@ -190,11 +192,15 @@ def evaluate(
             totals[0] += loss.double() * n
             totals[1] += n
             totals[2] += correct
+        failed = None
         if export is not None:
             state = strategy.plain_state_dict(full)
             if write_export:
-                torch.save(state, export)
+                failed = save_model(state, export)
     dist.all_reduce_(totals)
+    failed = dist.broadcast_object(failed) if export is not None else None  # every rank stops alike
+    if failed:
+        raise WriteFailed(f"the final model was not written: {failed}")
     loss_sum, count, correct = totals.tolist()
     if count == 0:
         raise RuntimeError("the eval split is empty on every rank: increase dataset.eval_batches or the eval data")
@@ -250,6 +256,20 @@ def train_step(
     with timer("sync"):
         strategy.after_step()
     return step_loss
+
+
+def save_model(state: dict, path: Path) -> str | None:
+    """torch.save through a temporary file, removed when the write fails (a full disk), so
+    `path` is the whole new model or not there; None, or the failure in one line."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        return write_error(err, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return None
 
 
 @dataclass

@@ -31,6 +31,7 @@ from sdp.rundir.files import (
     record_launch,
     restarted_job,
     truncate_metrics,
+    write_error,
     write_json_atomic,
 )
 from sdp.rundir.summary import STATUSES, Summary, read_summary, run_status, variant_label, write_summary
@@ -55,6 +56,7 @@ __all__ = [
     "run_status",
     "truncate_metrics",
     "variant_label",
+    "write_error",
     "write_json_atomic",
     "write_summary",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +26,27 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+# A write that failed where less than this is free is put down to a full disk: torch.save reports
+# one as a RuntimeError of its zip writer ("unexpected pos ..."), which carries no errno.
+FULL_BELOW_BYTES = 64 << 20
+
+
+def write_error(err: BaseException, path: Path) -> str:
+    """One line for a failed write of `path`: a full disk (or quota) said as such, with what is
+    free, else the error's type and first line."""
+    free = None
+    try:
+        free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    except (OSError, StopIteration):
+        pass
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if full or (free is not None and free < FULL_BELOW_BYTES):
+        left = "" if free is None else f", {free / 2**20:.1f} MiB free"
+        return f"{path}: no space left on device{left}"
+    text = str(err).strip().splitlines()
+    return f"{path}: {type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def nonfinite_record(run_dir: Path, step: int) -> Path:

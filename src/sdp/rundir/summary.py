@@ -83,6 +83,7 @@ class Summary:
     # (the world size of the launch that resumed, and of the one that wrote the checkpoint).
     resumes: list[dict] = field(default_factory=list)
     export: list[str] = field(default_factory=list)  # the files of RUN_DIR/hf/ (trainer.export)
+    export_error: str | None = None  # why hf/ was not written (the run itself completed)
     train_loss: float | None = None
     eval_loss: float | None = None
     eval_acc: float | None = None  # image models
