@@ -1,8 +1,8 @@
 """`python -m sdp.export RUN_DIR [RUN_DIR ...]`: write RUN_DIR/hf/ for runs that exist, from
 their model.pt and config.yaml, as `trainer.export=hf` does at the end of a run (see
 `sdp.rundir.export`): a transformers LlamaForCausalLM for LLaMA, with the run's tokenizer
-where this machine has it (its dataset's cache or path), safetensors and builder.json for
-the vision models."""
+where this machine has it (its dataset's cache or path), safetensors and builder.json (with
+the run's image preprocessing) for the vision models; docs/export.md describes the files."""
 
 from __future__ import annotations
 
@@ -24,7 +24,13 @@ def export_run(run_dir: Path) -> list[str]:
         if not (run_dir / name).is_file():
             raise ConfigError("RUN_DIR", str(run_dir), f"has no {name} (a finished run with trainer.save_model=true)")
     cfg = to_typed(OmegaConf.load(run_dir / rundir.CONFIG))
-    export_model(run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token)
+    export_model(
+        run_dir,
+        cfg.model,
+        tokenizer=data_tokenizer_file(cfg.dataset),
+        eos_token=cfg.dataset.eos_token,
+        dataset=cfg.dataset,
+    )
     return exported_files(run_dir)
 
 
