@@ -37,6 +37,7 @@ def run(model: str, steps: int, seq_len: int, on_nonfinite: str, run_dir: Path) 
         "trainer.eval_every=0",
         "trainer.log_every=10",
         "trainer.save_model=false",
+        "trainer.export=none",
         "trainer.progress=false",
         "dataset.eval_batches=1",
         "parallelism.mixed_precision=bf16",

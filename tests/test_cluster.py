@@ -102,6 +102,9 @@ def test_nodes_spread_the_ranks():
     assert parse_args(["cluster=h100_ib", "nodes=2"]).world_size == 16  # every device of the nodes
     with pytest.raises(ConfigError, match="^nodes=2: applies with cluster=NAME only"):
         parse_args(["world_size=4", "nodes=2"])
+    # Before: 8 ranks on 3 nodes were placed 3, 3, 2; torchrun starts the same number on each.
+    with pytest.raises(ConfigError, match=r"^nodes=3: must divide world_size=8 .*allowed: \[1, 2, 4, 8\]$"):
+        parse_args(["cluster=h100_ib", "nodes=3", "world_size=8"])
 
 
 def test_the_ddp_baseline_keeps_precision_and_drops_the_masking():

@@ -71,7 +71,12 @@ def cluster_names() -> list[str]:
 def place(cluster: Cluster, *, world_size: int, nodes: int | None) -> None:
     """Spread `world_size` ranks over `nodes` nodes (rank r on node r // (ranks per node)), or
     fill nodes of `devices_per_node` devices when `nodes` is not given."""
-    per_node = -(-world_size // nodes) if nodes else cluster.devices_per_node
+    if nodes and world_size % nodes:  # torchrun starts the same number of ranks on every node
+        fits = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        raise ConfigError(
+            "nodes", nodes, f"must divide world_size={world_size} (the same ranks on every node); allowed: {fits}"
+        )
+    per_node = world_size // nodes if nodes else cluster.devices_per_node
     if per_node > cluster.devices_per_node:
         raise ConfigError(
             "nodes",

@@ -8,9 +8,11 @@ group starts.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import importlib.util
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -177,6 +179,30 @@ def check_pairing(cfg: DictConfig, dirs: list[Path] | None = None) -> None:
         )
 
 
+def check_variant(raw: DictConfig, overrides: list[str], dirs: list[Path]) -> None:
+    """`variant=V` sets masking= (and masking.granularity); an override that changes what V
+    sets would run another variant than the one asked for: refused, naming both."""
+    names = [o.partition("=")[2] for o in overrides if o.lstrip("+~").startswith("variant=")]
+    paths = [d / "variant" / f"{names[-1]}.yaml" for d in reversed(dirs)] if names else []
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        return
+    spec = OmegaConf.to_container(OmegaConf.load(path))
+    wants = {}
+    for entry in spec.get("defaults") or []:
+        for k, v in entry.items() if isinstance(entry, dict) else []:
+            if k.replace("override", "").strip() == "/masking":
+                wants["masking"] = v
+    if isinstance(spec.get("masking"), dict) and "granularity" in spec["masking"]:
+        wants["masking.granularity"] = spec["masking"]["granularity"]
+    for key, want in wants.items():
+        got = OmegaConf.select(raw, "masking.name" if key == "masking" else key)
+        if str(got) != str(want):
+            raise ConfigError(
+                "variant", names[-1], f"sets {key}={want}, and {key}={got} contradicts it; give one of the two"
+            )
+
+
 def to_typed(cfg: DictConfig) -> RunConfig:
     """Convert the composed config to `RunConfig`, checking every field's type."""
     family = cfg.model.family
@@ -213,11 +239,39 @@ def _choices(schema: type, field_name: str) -> list[str]:
     return [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, enum.Enum) else []
 
 
+# Whole numbers go to torch, numpy and the C libraries below them as 64-bit integers.
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_numbers(node, prefix: str = "") -> None:
+    """Every number of a typed config (recursively, lists included) is finite and fits the C
+    types it is handed to: a float NaN or infinity, or a whole number beyond 64 bits, is one
+    ConfigError naming its key, whatever the key (the class, not the examples)."""
+    items = (
+        [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+        if dataclasses.is_dataclass(node)
+        else list(enumerate(node))
+    )
+    for name, value in items:
+        key = f"{prefix}[{name}]" if isinstance(name, int) else f"{prefix}{'.' if prefix else ''}{name}"
+        if dataclasses.is_dataclass(value) or isinstance(value, list | tuple):
+            check_numbers(value, key)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, value, "must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            raise ConfigError(key, value, "must fit in a 64-bit integer, [-2**63, 2**63 - 1]")
+
+
 def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool = True) -> None:
     """Every check that can run before the process group starts (`check_data=False`: all but
     those that look at the data, for the memory estimator, which feeds shaped dummies)."""
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ConfigError("seed", cfg.seed, "must be an integer")
+    check_numbers(cfg)
+    if cfg.name is not None and (not cfg.name or Path(cfg.name).name != cfg.name or cfg.name in (".", "..")):
+        raise ConfigError("name", cfg.name, "must be a plain name (no '/' or '..'): it names a dir under output_root")
+    if not 0 <= cfg.seed < 2**32:  # numpy's generators take seed + rank, torch's the same
+        raise ConfigError("seed", cfg.seed, "must be in [0, 2**32)")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
     validate_parallel(
@@ -258,6 +312,7 @@ def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
     dirs = search_dirs(overrides)
     raw = compose_config(overrides)
     check_pairing(raw, dirs)
+    check_variant(raw, overrides, dirs)
     try:
         OmegaConf.resolve(raw)
     except OmegaConfBaseException as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import torch
@@ -49,14 +49,31 @@ class OptimConfig:
     implementation: Implementation = Implementation.auto
 
 
+# Words of torch's own refusals (its optimizers' ValueErrors) and the key each one means.
+TORCH_WORDS = {"learning rate": "lr", "weight_decay": "weight_decay", "beta": "betas", "epsilon": "eps"}
+
+
 def validate_optim(cfg: OptimConfig) -> None:
-    """Reject values the optimizer or schedule cannot use."""
+    """Reject values the optimizer or schedule cannot use: ours, then torch's own range checks,
+    by building the optimizer over one scalar (each refusal names the key it is about)."""
     if not cfg.lr > 0:
         raise ConfigError("optim.lr", cfg.lr, "must be > 0")
     if cfg.warmup_steps < 0:
         raise ConfigError("optim.warmup_steps", cfg.warmup_steps, "must be >= 0")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError("optim.min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]")
+    if cfg.name == "adamw" and (len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas)):
+        raise ConfigError("optim.betas", cfg.betas, "must be two numbers in [0, 1)")
+    if cfg.name == "sgd" and cfg.nesterov and not cfg.momentum > 0:
+        raise ConfigError("optim.momentum", cfg.momentum, "must be > 0 with optim.nesterov=true")
+    for key in ("weight_decay", "eps", "momentum"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"optim.{key}", getattr(cfg, key), "must be >= 0")
+    try:
+        build_optimizer([torch.zeros(1, requires_grad=True)], replace(cfg, implementation=Implementation.auto))
+    except (ValueError, RuntimeError) as err:
+        key = next((k for word, k in TORCH_WORDS.items() if word in str(err).lower()), "name")
+        raise ConfigError(f"optim.{key}", getattr(cfg, key), f"refused by torch: {err}") from None
 
 
 def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:

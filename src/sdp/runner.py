@@ -307,7 +307,13 @@ def _export(cfg: RunConfig, run_dir: Path, summary: Summary) -> None:
     half-written, one warning line names the path, and `python -m sdp.export RUN_DIR` writes it
     later; `summary.export_error` keeps the reason."""
     try:
-        export_model(run_dir, cfg.model, tokenizer=data_tokenizer_file(cfg.dataset), eos_token=cfg.dataset.eos_token)
+        export_model(
+            run_dir,
+            cfg.model,
+            tokenizer=data_tokenizer_file(cfg.dataset),
+            eos_token=cfg.dataset.eos_token,
+            dataset=cfg.dataset,
+        )
     except Exception as err:  # noqa: BLE001 - reported in one line; the run itself is complete
         shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
         summary.export_error = write_error(err, run_dir / EXPORT_DIR)

@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
             name = next(iter(options))
             where = "a sweep takes sweep.nproc=N" if line.multirun else "this process is a worker of a launch already"
             raise ConfigError(f"--{name}", options[name] or None, where)
+        if line.cfg:  # only a config the launch would run: the same checks first
+            size = launch.world_size(options) if options else world.world_size
+            runner.preflight(line.overrides, dist.World(rank=0, local_rank=0, world_size=size or 1))
         if line.help or line.cfg:  # print and start nothing (every rank under torchrun; rank 0 prints)
             dist.print0(world, help_text(line.overrides) if line.help else show_config(line.overrides, line.cfg))
             return 0

@@ -107,6 +107,12 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
         raise ConfigError("trainer.eval_batch_size", cfg.eval_batch_size, "must be >= 1 or null")
     if cfg.grad_clip < 0:
         raise ConfigError("trainer.grad_clip", cfg.grad_clip, "must be >= 0 (0: no clipping)")
+    if cfg.export == "hf" and not cfg.save_model:
+        raise ConfigError(
+            "trainer.export",
+            cfg.export,
+            "is made from model.pt: needs trainer.save_model=true (or trainer.export=none)",
+        )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", cfg.device, "CUDA is not available here; allowed: auto, cpu")
     per_step = world_size * cfg.grad_accum_steps

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from sdp.data import DataConfig
+from sdp.data import DataConfig, cifar, fashion_mnist, synthetic
 from sdp.data.tokenizer import TextTokenizer, wrap_tokenizer
 from sdp.models import LlamaConfig, ModelConfig, build_model, build_on_meta, vision_builder
 from sdp.rundir.files import CONFIG, MODEL, write_json_atomic
@@ -203,8 +203,6 @@ def eval_transform(data: DataConfig) -> tuple[str, tuple, tuple, int, dict | Non
     """(color mode, mean, std, zero padding, resize, center crop) of the dataset's evaluation
     images, as its module (sdp.data.<name>) makes them; ValueError for a dataset it does not know,
     so that a new image dataset cannot export without saying its preprocessing."""
-    from sdp.data import cifar, fashion_mnist, synthetic
-
     if data.name == "fashion_mnist":  # 28x28 grey, zero-padded to 32x32
         return "L", fashion_mnist.MEAN, fashion_mnist.STD, fashion_mnist.PAD, None, None
     if data.name in cifar.VARIANTS:

@@ -79,6 +79,16 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
         raise ConfigError("masking.resample_every", cfg.resample_every, "must be >= 0 (0: never resample)")
+    if cfg.name != "forward" and cfg.scale != "auto":  # an option that would be ignored is refused
+        raise ConfigError(
+            "masking.scale", cfg.scale, f"applies only to masking=forward (masking={cfg.name} trains unscaled)"
+        )
+    if cfg.name != "forward" and cfg.bn_recalibration_batches:
+        raise ConfigError(
+            "masking.bn_recalibration_batches",
+            cfg.bn_recalibration_batches,
+            f"applies only to masking=forward (masking={cfg.name} evaluates the model it trained): must be 0",
+        )
     if not is_sdp(cfg.name) and cfg.resample_every:
         raise ConfigError(
             "masking.resample_every", cfg.resample_every, f"masking={cfg.name} has no mask to resample: must be 0"
