@@ -129,9 +129,58 @@ def test_the_quality_plot_has_error_bars_of_one_std_over_seeds(tmp_path):
     plt.close(fig)
 
 
-def test_no_runs_is_one_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no completed run"):
-        collect([tmp_path], tmp_path / "out", command="x")
+DAMAGE = {  # what is written over a run's file -> the start of the error after its path
+    "summary.json": ('{"status": "completed"', "cannot be read as JSON (JSONDecodeError"),
+    "config.yaml": ("\x00\x01", "cannot be read as YAML (ReaderError"),
+    "metrics.jsonl": ('{"step": 1}\n{"step": 2, "train_', "line 2 is not JSON (JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("name", DAMAGE)
+def test_a_damaged_run_is_one_line_not_a_run_left_out(name, tmp_path, capsys):
+    # Before: a damaged summary.json made collect leave the run out while saying none failed;
+    # a damaged config.yaml or metrics line ended in a traceback.
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _run(runs, "ddp")
+    _run(runs, "b-bwd", masking="backward", gran="block", coverage=0.5, acc=0.78, peak=3.0)
+    text, error = DAMAGE[name]
+    (runs / "b-bwd" / name).write_text(text)
+    assert main([str(runs), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {runs / 'b-bwd' / name}: {error}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["{runs}", "--out", "{file}"], "error: --out='{file}': is a file, not a directory\n"),
+        (
+            ["{empty}", "--out", "{out}"],
+            "error: roots='{empty}': hold no completed run (a run dir with summary.json)\n",
+        ),
+        (["{tmp}/none", "--out", "{out}"], "error: roots='{tmp}/none': is not a directory of run dirs\n"),
+        (
+            ["{runs}", "--out", "{out}", "--claims", "--cuda", "{file}"],
+            "error: {file}: cannot be read (JSONDecodeError",
+        ),
+    ],
+)
+def test_bad_collect_input_is_one_line_and_nothing_is_written(argv, error, tmp_path, capsys):
+    places = {
+        "runs": tmp_path / "runs",
+        "file": tmp_path / "file",
+        "empty": tmp_path / "empty",
+        "out": tmp_path / "out",
+    }
+    _run(places["runs"], "ddp")
+    places["file"].write_text("not json")
+    places["empty"].mkdir()
+    fill = {**{k: str(v) for k, v in places.items()}, "tmp": str(tmp_path)}
+    assert main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(error.format(**fill)) and err.count("\n") == 1, err
+    assert not places["out"].exists()
 
 
 def test_collect_logs_its_tables_plots_and_claims_to_one_offline_wandb_run(tmp_path, monkeypatch):

@@ -147,6 +147,25 @@ def test_a_run_dir_without_a_model_is_one_error_line(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "name, text, error",
+    [
+        ("config.yaml", "\x00", "cannot be read as YAML (ReaderError"),
+        ("config.yaml", "model: 3\n", "is not a run's config (AttributeError"),
+        ("config.yaml", "- a list\n", "holds list, not a mapping of config keys"),
+        ("model.pt", "PK not a zip", "cannot be loaded (RuntimeError"),
+    ],
+)
+def test_a_damaged_run_dir_file_is_one_error_line(name, text, error, tmp_path, capsys):
+    # Before: a corrupt config.yaml or model.pt ended the export in a traceback.
+    run_dir, _ = fake_run(tmp_path, ["model=resnet_tiny", "dataset=synthetic_image"])
+    (run_dir / name).write_text(text)
+    assert export.main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / name}: {error}") and err.count("\n") == 1, err
+    assert not (run_dir / "hf").exists()
+
+
 # ---------------------------------------------------------------- LLaMA: what other tools read
 
 

@@ -33,7 +33,9 @@ from sdp.claims import (
     points_from_tables,
     quality_claims,
 )
-from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, read_summary
+from sdp.errors import ConfigError
+from sdp.paths import DamagedFile, check_writable, read_json_lines, read_yaml_mapping
+from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, load_summary, write_error
 from sdp.rundir import variant_label as label_of
 
 GIB, MIB = 2**30, 2**20
@@ -53,13 +55,14 @@ def variant_label(summary: Summary) -> str:
 
 
 def find_runs(roots: list[Path]) -> list[tuple[Path, Summary]]:
-    """Every run dir under the roots with a readable summary, in path order."""
+    """Every run dir under the roots (a dir with a summary.json), in path order; a summary that
+    cannot be read is a DamagedFile (one line naming it), never a run silently left out."""
     found = []
     for root in roots:
+        if not Path(root).is_dir():
+            raise ConfigError("roots", str(root), "is not a directory of run dirs")
         for path in sorted(Path(root).rglob(SUMMARY)):
-            summary = read_summary(path.parent)
-            if summary is not None:
-                found.append((path.parent, summary))
+            found.append((path.parent, load_summary(path.parent)))
     return found
 
 
@@ -70,6 +73,20 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
+# The top-level keys of a run's config.yaml (sdp.config.RunConfig's fields).
+RUN_KEYS = (
+    "model",
+    "dataset",
+    "masking",
+    "parallelism",
+    "optim",
+    "trainer",
+    "logger",
+    "seed",
+    "name",
+    "run_dir",
+    "output_root",
+)
 # Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
 NOT_A_SETTING = ("seed", "name", "run_dir", "output_root", "logger")
 NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step")
@@ -77,10 +94,11 @@ NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "st
 
 def settings(run_dir: Path) -> dict:
     """The run's config.yaml without seeds and bookkeeping: runs with equal settings are one row."""
-    import yaml
-
     path = run_dir / CONFIG
-    config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    config = read_yaml_mapping(path) if path.is_file() else {}
+    foreign = sorted(str(k) for k in config if k not in RUN_KEYS)
+    if foreign:
+        raise DamagedFile(path, f"is not a run's config (it holds {', '.join(foreign[:3])})")
     config = {k: v for k, v in config.items() if k not in NOT_A_SETTING}
     trainer = {k: v for k, v in config.get("trainer", {}).items() if k not in NOT_A_TRAINER_SETTING}
     masking = {k: v for k, v in config.get("masking", {}).items() if k != "seed"}
@@ -295,7 +313,7 @@ def plots(table: str, info: dict, out: Path) -> list[Path]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        records = [json.loads(line) for line in (Path(r["run_dirs"][0]) / METRICS).read_text().splitlines()]
+        records = read_json_lines(Path(r["run_dirs"][0]) / METRICS)
         points = [(x["step"], x["train_loss"]) for x in records if "train_loss" in x]
         if points:
             ax.plot(*zip(*points, strict=True), label=_label(r), lw=1.2)
@@ -372,9 +390,17 @@ def collect(
     out/claims.md (the memory claims also read `memory_table` and `cuda`, where given); with
     `wandb_project`, log them all to one W&B run of their own (`log_to_wandb`). Returns the
     files written."""
-    tables = build_rows(find_runs(roots))
+    tables = build_rows(find_runs(roots))  # everything is read before anything is written
+    for info in tables.values():
+        for path in {Path(d) / METRICS for row in info["rows"] for d in row["run_dirs"]}:
+            read_json_lines(path) if path.is_file() else None
     if not tables:
-        raise SystemExit(f"error: no completed run (summary.json) under {', '.join(map(str, roots))}")
+        raise ConfigError("roots", " ".join(map(str, roots)), "hold no completed run (a run dir with summary.json)")
+    memory = []
+    if claims:
+        memory = points_from_tables(tables, "run dirs (live-tensor peak)")
+        memory += _read(points_from_memory_table, memory_table) if memory_table else []
+        memory += [p for path in cuda for p in _read(lambda q: points_from_cuda([q]), path)]
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for table, info in sorted(tables.items()):
@@ -388,15 +414,20 @@ def collect(
         if make_plots:
             written += plots(table, info, out)
     if claims:
-        memory = points_from_tables(tables, "run dirs (live-tensor peak)")
-        memory += points_from_memory_table(memory_table) if memory_table else []
-        memory += points_from_cuda(list(cuda)) if cuda else []
         path = out / CLAIMS_FILE
         path.write_text(claims_markdown(tables, memory, command=command))
         written.append(path)
     if wandb_project:
         log_to_wandb(tables, written, out=out, project=wandb_project, mode=wandb_mode, command=command)
     return written
+
+
+def _read(reader, path: Path) -> list:
+    """A measurement file read by `reader`; DamagedFile when it is not what it should be."""
+    try:
+        return reader(path)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DamagedFile(path, f"cannot be read ({type(err).__name__}: {err})") from None
 
 
 def log_to_wandb(tables: dict, written: list[Path], *, out: Path, project: str, mode: str, command: str) -> None:
@@ -453,21 +484,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wandb-project", default="sdp")
     parser.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
     args = parser.parse_args(argv)
-    for path in [args.memory_table, *args.cuda]:
-        if path is not None and not path.is_file():
-            raise SystemExit(f"error: {path}: no such file")
     command = "python -m sdp.collect " + " ".join(argv if argv is not None else sys.argv[1:])
-    written = collect(
-        args.roots,
-        args.out,
-        command=command,
-        make_plots=not args.no_plots,
-        claims=args.claims,
-        memory_table=args.memory_table,
-        cuda=tuple(args.cuda),
-        wandb_project=args.wandb_project if args.wandb else None,
-        wandb_mode=args.wandb_mode,
-    )
+    try:
+        for path in [args.memory_table, *args.cuda]:
+            if path is not None and not path.is_file():
+                raise DamagedFile(path, "no such file")
+        check_writable("--out", args.out)
+        written = collect(
+            args.roots,
+            args.out,
+            command=command,
+            make_plots=not args.no_plots,
+            claims=args.claims,
+            memory_table=args.memory_table,
+            cuda=tuple(args.cuda),
+            wandb_project=args.wandb_project if args.wandb else None,
+            wandb_mode=args.wandb_mode,
+        )
+    except ConfigError as err:  # a bad input or file: one line, nothing written
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # --out filled up or went away while writing
+        print(f"error: {write_error(err, args.out)}", file=sys.stderr)
+        return 2
     for path in written:
         print(f"wrote {path}")
     return 0

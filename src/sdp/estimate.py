@@ -59,6 +59,8 @@ from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.parallel import sdp_workers
+from sdp.paths import check_output_file
+from sdp.rundir import write_error
 from sdp.subnet import is_sdp
 from sdp.subnet.strategy import plan_mask, planned_comm_groups
 from sdp.trainer import micro_batch_size, train_step
@@ -380,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         _, cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
+        if args.out:  # a place that cannot take the result is refused before the trace, not after
+            check_output_file("out", args.out)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -403,8 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results if args.rank == "all" else results[0], indent=1))
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results if args.rank == "all" else results[0], indent=1))
+        except OSError as err:  # a full disk: the estimate is printed above all the same
+            print(f"error: {write_error(err, args.out)}", file=sys.stderr)
+            return 2
     return 0
 
 

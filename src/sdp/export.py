@@ -6,32 +6,58 @@ the run's image preprocessing) for the vision models; docs/export.md describes t
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from sdp import rundir
-from sdp.config import to_typed
+from sdp.config import RunConfig, to_typed
 from sdp.data import data_tokenizer_file
 from sdp.errors import ConfigError
-from sdp.rundir.export import export_model, exported_files
+from sdp.paths import DamagedFile, read_yaml_mapping
+from sdp.rundir import write_error
+from sdp.rundir.export import EXPORT_DIR, export_model, exported_files
 
 
 def export_run(run_dir: Path) -> list[str]:
-    """Export one run dir; ConfigError (naming it) when it has no model.pt or config.yaml."""
+    """Export one run dir; ConfigError (naming it) when it has no model.pt or config.yaml,
+    DamagedFile when one cannot be read, and one line (hf/ removed, not left half-written)
+    when the export cannot be written."""
     for name in (rundir.MODEL, rundir.CONFIG):
         if not (run_dir / name).is_file():
             raise ConfigError("RUN_DIR", str(run_dir), f"has no {name} (a finished run with trainer.save_model=true)")
-    cfg = to_typed(OmegaConf.load(run_dir / rundir.CONFIG))
-    export_model(
-        run_dir,
-        cfg.model,
-        tokenizer=data_tokenizer_file(cfg.dataset),
-        eos_token=cfg.dataset.eos_token,
-        dataset=cfg.dataset,
-    )
+    cfg = run_config(run_dir / rundir.CONFIG)
+    try:
+        torch.load(run_dir / rundir.MODEL, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any way a file can fail to load is one line
+        raise DamagedFile(run_dir / rundir.MODEL, f"cannot be loaded ({type(err).__name__}: {err})") from None
+    try:
+        export_model(
+            run_dir,
+            cfg.model,
+            tokenizer=data_tokenizer_file(cfg.dataset),
+            eos_token=cfg.dataset.eos_token,
+            dataset=cfg.dataset,
+        )
+    except (OSError, RuntimeError, ValueError) as err:  # a full disk; a model.pt of another shape
+        shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
+        raise DamagedFile(run_dir / EXPORT_DIR, f"not written: {write_error(err, run_dir / EXPORT_DIR)}") from None
     return exported_files(run_dir)
+
+
+def run_config(path: Path) -> RunConfig:
+    """A run dir's config.yaml, typed; DamagedFile when it is not a config this version reads."""
+    raw = read_yaml_mapping(path)
+    try:
+        return to_typed(OmegaConf.create(raw))
+    except ConfigError as err:
+        raise DamagedFile(path, f"holds a config this version refuses ({err})") from None
+    except (AttributeError, KeyError, TypeError, ValueError, OmegaConfBaseException) as err:
+        raise DamagedFile(path, f"is not a run's config ({type(err).__name__}: {err})") from None
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, cache_
 from sdp.data.packing import token_bundle
 from sdp.data.tokenizer import LOCAL_EOS, TextTokenizer, encode_docs, train_bpe, wrap_tokenizer
 from sdp.errors import ConfigError
+from sdp.paths import check_writable
 
 # Bump when the cache layout or tokenizer recipe changes, so old caches are not reused.
 CACHE_VERSION = 1
@@ -133,13 +134,17 @@ def validate(cfg: DataConfig, *, offline: bool) -> None:
             cfg.path,
             "directory does not exist; set it to a directory of text files, or null for the stdlib",
         )
-    count = len(list_files(cfg))
-    if count < 2:
+    files = list_files(cfg)
+    if len(files) < 2:
         raise ConfigError(
             "dataset.text_glob",
             cfg.text_glob,
-            f"matches {count} files under {root} after dataset.exclude/max_files/max_bytes; need >= 2 (train and eval)",
+            f"matches {len(files)} files under {root} after dataset.exclude/max_files/max_bytes; "
+            "need >= 2 (train and eval)",
         )
+    directory = cache_dir_for(cfg, files)
+    if not _is_complete(directory):  # a complete cache is only read: a read-only one is fine
+        check_writable("dataset.cache_dir", directory)
 
 
 def prepare(cfg: DataConfig) -> None:

@@ -16,6 +16,7 @@ JSON files are written atomically (`write_json_atomic`): a reader (a sweep, `sdp
 resume) never sees half a file. The run dir is decided once, by rank 0, and passed to every rank.
 """
 
+from sdp.paths import check_writable
 from sdp.rundir.files import (
     CHECKPOINTS,
     CONFIG,
@@ -23,7 +24,6 @@ from sdp.rundir.files import (
     METRICS,
     MODEL,
     SUMMARY,
-    check_writable,
     choose_run_dir,
     elastic_run_dir,
     evaluations,
@@ -34,7 +34,15 @@ from sdp.rundir.files import (
     write_error,
     write_json_atomic,
 )
-from sdp.rundir.summary import STATUSES, Summary, read_summary, run_status, variant_label, write_summary
+from sdp.rundir.summary import (
+    STATUSES,
+    Summary,
+    load_summary,
+    read_summary,
+    run_status,
+    variant_label,
+    write_summary,
+)
 
 __all__ = [
     "CHECKPOINTS",
@@ -50,6 +58,7 @@ __all__ = [
     "elastic_run_dir",
     "evaluations",
     "nonfinite_record",
+    "load_summary",
     "read_summary",
     "record_launch",
     "restarted_job",

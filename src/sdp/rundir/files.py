@@ -5,13 +5,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
 
 from sdp import dist
-from sdp.errors import ConfigError
+from sdp.paths import read_json_lines
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -67,31 +66,21 @@ def choose_run_dir(*, run_dir: str | None, output_root: str, name: str) -> Path:
     return candidate
 
 
-def check_writable(key: str, path: Path) -> None:
-    """Before anything is written: `path` is a directory this process can write in, or one it
-    can create; else one ConfigError naming `key`. It probes by making (and removing) a
-    directory in the nearest existing one, which is what the run will do: permissions, a
-    read-only file system or a pseudo one (/proc) all show up, and nothing is left behind."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(key, str(path), "is a file, not a directory")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(key, str(path), f"cannot be created: {parent} is a file")
-    probe = parent / f".sdp-probe-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as err:
-        raise ConfigError(key, str(path), f"cannot be created or written in: {err.strerror} (in {parent})") from None
-
-
 def evaluations(run_dir: Path, metric: str = "eval_loss") -> list[tuple[int, float]]:
     """(step, value) of every evaluation of `metric` the run logged in its metrics file, in order."""
     path = Path(run_dir) / METRICS
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [(r["step"], r[metric]) for r in map(json.loads, lines) if r.get(metric) is not None]
+    records = read_json_lines(path) if path.is_file() else []
+    return [(r.get("step"), r[metric]) for r in records if r.get(metric) is not None]
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a line that is not a record (half written when a launch died) is
+    dropped by a resume as a later one would be."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return float("inf")
+    return step if isinstance(step, int) else float("inf")
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
@@ -99,7 +88,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     path = run_dir / METRICS
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)

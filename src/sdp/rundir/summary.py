@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdp.paths import DamagedFile
 from sdp.redact import redact
 from sdp.rundir.files import SUMMARY, write_json_atomic
 
@@ -148,6 +149,19 @@ def _field_names() -> set[str]:
 def write_summary(run_dir: Path, summary: Summary) -> None:
     """Write RUN_DIR/summary.json atomically, secrets redacted (a failed run's `error` may quote one)."""
     write_json_atomic(run_dir / SUMMARY, redact(summary.to_json()))
+
+
+def load_summary(run_dir: Path) -> Summary:
+    """The run's summary for a reader that must not skip a run silently (`sdp.collect`):
+    DamagedFile, naming summary.json and what is wrong, when it cannot be read."""
+    path = run_dir / SUMMARY
+    try:
+        obj = json.loads(path.read_text())
+        return Summary.from_json(obj)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise DamagedFile(path, f"cannot be read as JSON ({type(err).__name__}: {err})") from None
+    except (TypeError, AttributeError) as err:
+        raise DamagedFile(path, f"is not a run's summary ({err})") from None
 
 
 def read_summary(run_dir: Path) -> Summary | None:
