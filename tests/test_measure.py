@@ -100,7 +100,7 @@ def test_untraceable_step_is_one_clear_error(monkeypatch):
     "argv,fragment",
     [
         (["model=llama_tiny"], "world_size=None: is required"),
-        (["world_size=zero"], "world_size='zero': must be an integer >= 1"),
+        (["world_size=zero"], "world_size='zero': must be an integer in [1, 65536]"),
         (["world_size=4", "rank=4"], "rank='4': allowed: an integer in [0, 3], busiest, all"),
     ],
 )

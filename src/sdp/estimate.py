@@ -116,9 +116,12 @@ def parse_args(argv: list[str]) -> EstimateArgs:
     return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None, cluster)
 
 
+MAX_RANKS = 65536  # more than any cluster the step-time model describes
+
+
 def _positive(key: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(key, value, "must be an integer >= 1")
+    if not value.isdigit() or not 1 <= int(value) <= MAX_RANKS:
+        raise ConfigError(key, value, f"must be an integer in [1, {MAX_RANKS}]")
     return int(value)
 
 

@@ -106,6 +106,8 @@ def world_size(options: dict[str, str]) -> int | None:
             raise ConfigError(
                 "--nproc-per-node", nproc, f"must be a whole number >= 1, or gpu/auto/cpu ({err})"
             ) from None
+        if local < 1:  # torchrun takes "-1" as a count
+            raise ConfigError("--nproc-per-node", nproc, "must be a whole number >= 1, or gpu/auto/cpu")
     for name in ("max-restarts", "shutdown-timeout", "node-rank", "master-port"):
         _whole(options, name, 0)
     nodes = options.get("nnodes", "1")

@@ -140,8 +140,12 @@ def expand(overrides: list[str]) -> list[list[str]]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
         raise ConfigError("overrides", " ".join(overrides), str(err).splitlines()[0]) from None
-    if any(o.key_or_group in ("run_dir",) and o.is_sweep_override() for o in parsed):
-        raise ConfigError("run_dir", None, "cannot be swept: each job gets SWEEP_DIR/NNN-<overrides>")
+    for o in parsed:  # the sweep places every run: a run_dir or output_root would be ignored
+        if o.key_or_group in ("run_dir", "output_root"):
+            value = o.value() if not o.is_sweep_override() else None
+            raise ConfigError(
+                o.key_or_group, value, "is not for a sweep: each job gets SWEEP_DIR/NNN-<overrides> (sweep.dir=)"
+            )
     (batch,) = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for job in batch]
 
@@ -231,7 +235,10 @@ def run_sweep(argv: list[str]) -> int:
     except (ConfigError, ValueError) as err:
         print(redact_text(f"error: {err}"), file=sys.stderr)
         return 2
-    return execute(jobs, root=root, nproc=nproc, nodes=nodes, launcher=launcher, options=options)
+    code = execute(jobs, root=root, nproc=nproc, nodes=nodes, launcher=launcher, options=options)
+    if all(j.status == "invalid" for j in jobs):  # nothing could run: the first refusal, as the line
+        print(redact_text(f"error: {jobs[0].error}"), file=sys.stderr)
+    return code
 
 
 def execute(
