@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast lint clean memory-table bench tables rho soak
+.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench tables rho soak
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -56,6 +56,10 @@ test: setup
 # Every module's unit tests, without the multi-rank jobs and the slow ones, on both cores (<= 3 min).
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m "not slow and not dist" --durations=5
+
+# Every case of the bad-input fuzz over every entrypoint (the suite runs a sample; about 2 min).
+fuzz: setup
+	SDP_FUZZ=all $(PY) -m pytest -q -s tests/test_fuzz_entrypoints.py
 
 # Estimated per-rank memory of the paper-scale configs (GPU-free; about 3 min on 2 cores).
 memory-table: setup

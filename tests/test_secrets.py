@@ -137,7 +137,7 @@ def test_config_errors_do_not_echo_secrets(secret_env):
 
 def test_sweep_json_and_console_hold_no_secrets(tmp_path, capsys, secret_env):
     argv = [*BASE, f"name={WANDB_KEY}", "+logger.api_key=typed-in-key", f"sweep.dir={tmp_path}"]
-    run_sweep([*argv, "sweep.dry_run=true"])
+    assert run_sweep(argv) == 2  # every job refused: nothing launched, sweep.json and one error line written
     jobs = json.loads((tmp_path / "sweep.json").read_text())
     assert jobs[0]["status"] == "invalid" and jobs[0]["error"].startswith(f"logger.api_key={REDACTED}")
     assert f"name={REDACTED}" in jobs[0]["overrides"]
