@@ -270,8 +270,8 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
     check_numbers(cfg)
     if cfg.name is not None and (not cfg.name or Path(cfg.name).name != cfg.name or cfg.name in (".", "..")):
         raise ConfigError("name", cfg.name, "must be a plain name (no '/' or '..'): it names a dir under output_root")
-    if not 0 <= cfg.seed < 2**32:  # numpy's generators take seed + rank, torch's the same
-        raise ConfigError("seed", cfg.seed, "must be in [0, 2**32)")
+    if cfg.seed < 0:  # a resume on another world size re-seeds from numpy's SeedSequence([seed, ...])
+        raise ConfigError("seed", cfg.seed, "must be >= 0")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
     validate_parallel(

@@ -75,6 +75,8 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.coverage", cfg.coverage, "must be in (0, 1]")
     if cfg.name == "none" and cfg.coverage != 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "masking=none holds every unit: coverage must be 1.0")
+    if cfg.seed < 0:  # numpy's generators take no negative seed
+        raise ConfigError("masking.seed", cfg.seed, "must be >= 0")
     if cfg.bn_recalibration_batches < 0:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
