@@ -6,7 +6,6 @@ the run's image preprocessing) for the vision models; docs/export.md describes t
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,11 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sdp import rundir
 from sdp.config import RunConfig, to_typed
-from sdp.data import data_tokenizer_file
 from sdp.errors import ConfigError
 from sdp.paths import DamagedFile, read_yaml_mapping
 from sdp.rundir import write_error
-from sdp.rundir.export import EXPORT_DIR, export_model, exported_files
+from sdp.rundir.export import EXPORT_DIR, export_run_dir, exported_files
 
 
 def export_run(run_dir: Path) -> list[str]:
@@ -36,15 +34,8 @@ def export_run(run_dir: Path) -> list[str]:
     except Exception as err:  # noqa: BLE001 - any way a file can fail to load is one line
         raise DamagedFile(run_dir / rundir.MODEL, f"cannot be loaded ({type(err).__name__}: {err})") from None
     try:
-        export_model(
-            run_dir,
-            cfg.model,
-            tokenizer=data_tokenizer_file(cfg.dataset),
-            eos_token=cfg.dataset.eos_token,
-            dataset=cfg.dataset,
-        )
+        export_run_dir(run_dir, cfg.model, cfg.dataset)
     except (OSError, RuntimeError, ValueError) as err:  # a full disk; a model.pt of another shape
-        shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
         raise DamagedFile(run_dir / EXPORT_DIR, f"not written: {write_error(err, run_dir / EXPORT_DIR)}") from None
     return exported_files(run_dir)
 

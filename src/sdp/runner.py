@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import errno
 import functools
-import shutil
 import signal
 import sys
 import time
@@ -30,7 +29,7 @@ from sdp.checkpoint import (
     save_checkpoint,
 )
 from sdp.config import RunConfig, load_config, typed_config, validate
-from sdp.data import DataBundle, build_data, data_tokenizer_file, prepare_data
+from sdp.data import DataBundle, build_data, prepare_data
 from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed, WriteFailed
 from sdp.meter import Meter
 from sdp.metrics.comm import CommCounter
@@ -40,7 +39,7 @@ from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact, redact_text, redact_yaml
 from sdp.rundir import Summary, variant_label, write_error
-from sdp.rundir.export import EXPORT_DIR, export_model, exported_files
+from sdp.rundir.export import EXPORT_DIR, export_run_dir, exported_files
 from sdp.trainer import Evaluation, micro_batch_size, train
 
 
@@ -307,15 +306,8 @@ def _export(cfg: RunConfig, run_dir: Path, summary: Summary) -> None:
     half-written, one warning line names the path, and `python -m sdp.export RUN_DIR` writes it
     later; `summary.export_error` keeps the reason."""
     try:
-        export_model(
-            run_dir,
-            cfg.model,
-            tokenizer=data_tokenizer_file(cfg.dataset),
-            eos_token=cfg.dataset.eos_token,
-            dataset=cfg.dataset,
-        )
+        export_run_dir(run_dir, cfg.model, cfg.dataset)
     except Exception as err:  # noqa: BLE001 - reported in one line; the run itself is complete
-        shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
         summary.export_error = write_error(err, run_dir / EXPORT_DIR)
         print(
             f"warning: the export was not written ({summary.export_error}); the run is complete and its "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from sdp.data import DataConfig, cifar, fashion_mnist, synthetic
+from sdp.data import DataConfig, cifar, data_tokenizer_file, fashion_mnist, synthetic
 from sdp.data.tokenizer import TextTokenizer, wrap_tokenizer
 from sdp.models import LlamaConfig, ModelConfig, build_model, build_on_meta, vision_builder
 from sdp.rundir.files import CONFIG, MODEL, write_json_atomic
@@ -226,6 +227,19 @@ def folder_eval_transform(size: int) -> tuple[str, tuple, tuple, int, dict | Non
     resize, crop, norm = steps[transforms.Resize], steps[transforms.CenterCrop], steps[transforms.Normalize]
     resized = {"shorter_side": resize.size, "interpolation": resize.interpolation.value, "antialias": resize.antialias}
     return "RGB", tuple(norm.mean), tuple(norm.std), 0, resized, crop.size[0]
+
+
+def export_run_dir(run_dir: Path, model_cfg: ModelConfig, data_cfg: DataConfig) -> None:
+    """`export_model` with the run's tokenizer and image preprocessing, from its dataset config
+    (the end of a run, and `python -m sdp.export`); an export that fails (a full disk) removes
+    hf/ rather than leave it half-written, and raises."""
+    try:
+        export_model(
+            run_dir, model_cfg, tokenizer=data_tokenizer_file(data_cfg), eos_token=data_cfg.eos_token, dataset=data_cfg
+        )
+    except BaseException:
+        shutil.rmtree(run_dir / EXPORT_DIR, ignore_errors=True)
+        raise
 
 
 def exported_files(run_dir: Path) -> list[str]:
