@@ -90,18 +90,25 @@ def _launch(argv: list[str], cwd) -> subprocess.Popen:
     )
 
 
-@pytest.mark.dist
-def test_the_launcher_gives_bad_input_one_line_and_ctrl_c_one_line(tmp_path):
-    # Bad input: the entrypoint's line and exit code 2 (under torchrun: that line, then
-    # torchrun's ChildFailedError traceback, and exit code 1); nothing written.
-    proc = _launch([*TINY, "masking=forward", "masking.coverage=0.3", f"run_dir={tmp_path / 'bad'}"], tmp_path)
-    out, err = proc.communicate(timeout=120)
-    assert (proc.returncode, out) == (2, "")
-    assert err == (
+def test_the_launcher_refuses_bad_input_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    # The launcher's own process: the entrypoint's line and exit code 2 (under torchrun: that
+    # line, then torchrun's ChildFailedError traceback, and exit code 1); nothing written.
+    import sdp.launch
+    from sdp.train import main
+
+    monkeypatch.setattr(sdp.launch, "_run_agent", lambda argv: pytest.fail(f"workers started: {argv}"))
+    argv = ["--nproc-per-node=2", *TINY, "masking=forward", "masking.coverage=0.3", f"run_dir={tmp_path / 'bad'}"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
         "error: masking.coverage=0.3: gives C x K = 0.3 x 2 = 0.6 holders per unit, which must be a whole number "
         ">= 1; allowed with K=2 workers: 0.5, 1\n"
     )
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.dist
+def test_ctrl_c_stops_every_worker_with_a_checkpoint_in_one_line(tmp_path):
     # Ctrl-C after a few steps: every worker stops at the next log step with a checkpoint.
     run_dir = tmp_path / "run"
     argv = [*TINY, "trainer.max_steps=100000", "trainer.log_every=5", f"run_dir={run_dir}"]

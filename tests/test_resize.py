@@ -3,22 +3,20 @@ then at K = 4 again. At each resume the state the new ranks hold, gathered back,
 checkpoint bitwise (tests/faults.py's `recut` probe); the loss goes on as an uninterrupted
 run's does; an impossible K is refused before any process group, with the allowed ones."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import job_env, launch, read_run
+from ranks import run_ranks
 from test_resume import COMMON, TINY
 
 from sdp.checkpoint import complete_checkpoints, read_portable
-from sdp.compare import torchrun_command
 from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.models import build_on_meta
 from sdp.runner import resize_refusal
 
-FAULTS = Path(__file__).parent / "faults.py"
 RUN = [*TINY, *COMMON, "trainer.checkpoint_every=0"]  # llama_tiny, 6 steps, a log record per step
 MODES = {
     "ddp": [],
@@ -29,9 +27,9 @@ MODES = {
 
 
 def resume_probed(overrides: list[str], *, nproc: int, cwd: Path) -> dict:
-    """Launch a resume with the recut probe armed; returns what the ranks held right after it."""
-    cmd = torchrun_command(nproc, str(FAULTS), "recut", *overrides)
-    proc = subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=600)
+    """Launch a resume with the recut probe armed (on forked ranks, as the other launches
+    here); returns what the ranks held right after it."""
+    proc = run_ranks("faults:main", ["recut", *overrides], nproc=nproc, cwd=cwd, env=job_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(cwd / "recut.pt", weights_only=True)
 
