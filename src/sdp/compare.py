@@ -66,6 +66,9 @@ def run_variants(base: list[str], variants: list[tuple[str, list[str]]], *, root
         if rc != 0 or summary is None or summary.status != "completed":
             summary = None
         results.append(Result(label, run_dir, wall, summary))
+        if rc == 130:  # Ctrl-C: the run said where it stopped; the variants after it are not started
+            print(f"interrupted: {len(variants) - i - 1} variants after {label!r} not run", flush=True)
+            break
     return results
 
 
