@@ -3,7 +3,7 @@
 The mask is a pure function of (unit spec sizes, K, coverage, construction,
 seed): every rank computes the same mask without communication.
 
-Balanced cyclic construction (see ../shared/ARCHITECTURE.md): the units of
+Balanced cyclic construction (docs/sdp.md; the design: docs/architecture.md): the units of
 every group are split into K chunks; worker k holds chunks k, k+1, ...,
 k+r-1 (mod K) with r = C*K >= 1 (a whole number), so every chunk has exactly r holders
 and every worker holds r of the K chunks of every group. Chunk boundaries are
