@@ -46,12 +46,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from sdp import dist
 from sdp.dist import local
 from sdp.errors import ConfigError
 from sdp.parallel import PortableState
+from sdp.paths import read_yaml_mapping
 from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_error, write_json_atomic
 
 # meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
@@ -198,14 +198,7 @@ def check_completed(run_dir: Path, config: dict) -> None:
     """For a sweep's completed job: one ConfigError unless the run dir's config.yaml is the
     config this job would run (as a resume compares them); a completed job is skipped only
     when it ran the settings asked for now."""
-    path = run_dir / CONFIG
-    try:
-        recorded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            "run_dir", str(run_dir), f"holds a completed run whose {CONFIG} is unreadable ({reason})"
-        ) from None
+    recorded = read_yaml_mapping(run_dir / CONFIG)  # DamagedFile, naming it, when it cannot be read
     diff = first_difference(resume_view(recorded), resume_view(config))
     if diff:
         raise ConfigError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import statistics
@@ -33,8 +34,9 @@ from sdp.claims import (
     points_from_tables,
     quality_claims,
 )
+from sdp.config import RunConfig
 from sdp.errors import ConfigError
-from sdp.paths import DamagedFile, check_writable, read_json_lines, read_yaml_mapping
+from sdp.paths import DamagedFile, check_writable, describe, read_json_lines, read_yaml_mapping
 from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, load_summary, write_error
 from sdp.rundir import variant_label as label_of
 
@@ -73,20 +75,8 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-# The top-level keys of a run's config.yaml (sdp.config.RunConfig's fields).
-RUN_KEYS = (
-    "model",
-    "dataset",
-    "masking",
-    "parallelism",
-    "optim",
-    "trainer",
-    "logger",
-    "seed",
-    "name",
-    "run_dir",
-    "output_root",
-)
+# The top-level keys of a run's config.yaml.
+RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)}
 # Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
 NOT_A_SETTING = ("seed", "name", "run_dir", "output_root", "logger")
 NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step")
@@ -391,9 +381,9 @@ def collect(
     `wandb_project`, log them all to one W&B run of their own (`log_to_wandb`). Returns the
     files written."""
     tables = build_rows(find_runs(roots))  # everything is read before anything is written
-    for info in tables.values():
-        for path in {Path(d) / METRICS for row in info["rows"] for d in row["run_dirs"]}:
-            read_json_lines(path) if path.is_file() else None
+    metrics = {Path(d) / METRICS for info in tables.values() for row in info["rows"] for d in row["run_dirs"]}
+    for path in sorted(p for p in metrics if p.is_file()):
+        read_json_lines(path)  # a damaged line is refused now, not halfway through the plots
     if not tables:
         raise ConfigError("roots", " ".join(map(str, roots)), "hold no completed run (a run dir with summary.json)")
     memory = []
@@ -427,7 +417,7 @@ def _read(reader, path: Path) -> list:
     try:
         return reader(path)
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise DamagedFile(path, f"cannot be read ({type(err).__name__}: {err})") from None
+        raise DamagedFile(path, f"cannot be read ({describe(err)})") from None
 
 
 def log_to_wandb(tables: dict, written: list[Path], *, out: Path, project: str, mode: str, command: str) -> None:

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sdp import rundir
 from sdp.config import RunConfig, to_typed
 from sdp.errors import ConfigError
-from sdp.paths import DamagedFile, read_yaml_mapping
+from sdp.paths import DamagedFile, describe, read_yaml_mapping
 from sdp.rundir import write_error
 from sdp.rundir.export import EXPORT_DIR, export_run_dir, exported_files
 
@@ -32,7 +32,7 @@ def export_run(run_dir: Path) -> list[str]:
     try:
         torch.load(run_dir / rundir.MODEL, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - any way a file can fail to load is one line
-        raise DamagedFile(run_dir / rundir.MODEL, f"cannot be loaded ({type(err).__name__}: {err})") from None
+        raise DamagedFile(run_dir / rundir.MODEL, f"cannot be loaded ({describe(err)})") from None
     try:
         export_run_dir(run_dir, cfg.model, cfg.dataset)
     except (OSError, RuntimeError, ValueError) as err:  # a full disk; a model.pt of another shape
@@ -48,7 +48,7 @@ def run_config(path: Path) -> RunConfig:
     except ConfigError as err:
         raise DamagedFile(path, f"holds a config this version refuses ({err})") from None
     except (AttributeError, KeyError, TypeError, ValueError, OmegaConfBaseException) as err:
-        raise DamagedFile(path, f"is not a run's config ({type(err).__name__}: {err})") from None
+        raise DamagedFile(path, f"is not a run's config ({describe(err)})") from None
 
 
 def main(argv: list[str]) -> int:

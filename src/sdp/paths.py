@@ -54,7 +54,8 @@ def check_output_file(key: str, path: Path) -> None:
     check_writable(key, path.parent)
 
 
-def _first_line(err: BaseException) -> str:
+def describe(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
@@ -64,7 +65,7 @@ def read_yaml_mapping(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise DamagedFile(path, f"cannot be read as YAML ({_first_line(err)})") from None
+        raise DamagedFile(path, f"cannot be read as YAML ({describe(err)})") from None
     if not isinstance(data, dict):
         raise DamagedFile(path, f"holds {type(data).__name__}, not a mapping of config keys")
     return data
@@ -75,13 +76,13 @@ def read_json_lines(path: Path) -> list[dict]:
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise DamagedFile(path, f"cannot be read ({_first_line(err)})") from None
+        raise DamagedFile(path, f"cannot be read ({describe(err)})") from None
     records = []
     for n, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError as err:
-            raise DamagedFile(path, f"line {n} is not JSON ({_first_line(err)})") from None
+            raise DamagedFile(path, f"line {n} is not JSON ({describe(err)})") from None
         if not isinstance(record, dict):
             raise DamagedFile(path, f"line {n} holds {type(record).__name__}, not a record")
         records.append(record)

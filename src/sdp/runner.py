@@ -5,7 +5,6 @@ the run ends. `sdp.train` (the entrypoint) and a sweep's Slurm tasks call `main`
 from __future__ import annotations
 
 import copy
-import errno
 import functools
 import signal
 import sys
@@ -279,8 +278,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
 def _write_failure(err: BaseException, *, run_dir: str | None) -> WriteFailed | None:
     """A run dir file that could not be written (model.pt, or any write on a full disk) as one
     line with what the same command then does; None for any other error."""
-    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not (isinstance(err, WriteFailed) or full) or run_dir is None:
+    if not (isinstance(err, WriteFailed) or rundir.disk_full(err)) or run_dir is None:
         return None
     line = str(err) if isinstance(err, WriteFailed) else write_error(err, Path(err.filename or run_dir))
     found = complete_checkpoints(Path(run_dir))
@@ -566,9 +564,7 @@ def print_result(summary: Summary) -> None:
     peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**20:.1f} MiB/rank"
     verb = "done"
     if summary.stopped_at:
-        by = {"SIGINT": "Ctrl-C", "trainer.stop_at_step": "trainer.stop_at_step"}.get(
-            summary.stopped_by, summary.stopped_by
-        )
+        by = "Ctrl-C" if summary.stopped_by == "SIGINT" else summary.stopped_by
         verb = f"stopped ({by}); {resume_hint(summary.resumes_from)}"
     print(
         f"{verb}: {summary.steps} steps, {quality}, {speed}"

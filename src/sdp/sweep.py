@@ -84,9 +84,7 @@ class Job:
     index: int
     overrides: list[str]
     run_dir: str
-    status: (
-        str  # invalid | planned | submitted | completed | stopped | interrupted | failed | skipped (already completed)
-    )
+    status: str  # invalid | planned | submitted | completed | stopped | interrupted | failed | skipped (done)
     error: str | None = None
     wall_s: float | None = None
     cluster_id: str | None = None  # the Slurm (or local submitit) job id
@@ -236,7 +234,7 @@ def run_sweep(argv: list[str]) -> int:
         print(redact_text(f"error: {err}"), file=sys.stderr)
         return 2
     code = execute(jobs, root=root, nproc=nproc, nodes=nodes, launcher=launcher, options=options)
-    if all(j.status == "invalid" for j in jobs):  # nothing could run: the first refusal, as the line
+    if jobs and all(j.status == "invalid" for j in jobs):  # nothing could run: the first refusal, as the line
         print(redact_text(f"error: {jobs[0].error}"), file=sys.stderr)
     return code
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from sdp import dist
-from sdp.paths import read_json_lines
+from sdp.paths import describe, read_json_lines
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -32,6 +32,11 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 FULL_BELOW_BYTES = 64 << 20
 
 
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk (or the quota) is full."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def write_error(err: BaseException, path: Path) -> str:
     """One line for a failed write of `path`: a full disk (or quota) said as such, with what is
     free, else the error's type and first line."""
@@ -40,12 +45,10 @@ def write_error(err: BaseException, path: Path) -> str:
         free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     except (OSError, StopIteration):
         pass
-    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-    if full or (free is not None and free < FULL_BELOW_BYTES):
+    if disk_full(err) or (free is not None and free < FULL_BELOW_BYTES):
         left = "" if free is None else f", {free / 2**20:.1f} MiB free"
         return f"{path}: no space left on device{left}"
-    text = str(err).strip().splitlines()
-    return f"{path}: {type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return f"{path}: {describe(err)}"
 
 
 def nonfinite_record(run_dir: Path, step: int) -> Path:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sdp.paths import DamagedFile
+from sdp.paths import DamagedFile, describe
 from sdp.redact import redact
 from sdp.rundir.files import SUMMARY, write_json_atomic
 
@@ -159,7 +159,7 @@ def load_summary(run_dir: Path) -> Summary:
         obj = json.loads(path.read_text())
         return Summary.from_json(obj)
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise DamagedFile(path, f"cannot be read as JSON ({type(err).__name__}: {err})") from None
+        raise DamagedFile(path, f"cannot be read as JSON ({describe(err)})") from None
     except (TypeError, AttributeError) as err:
         raise DamagedFile(path, f"is not a run's summary ({err})") from None
 
