@@ -38,10 +38,10 @@ import os
 import time
 from pathlib import Path
 
-from sdp.cluster import load_cluster, place, step_times
-from sdp.compare import Result, comparison_table, run_variants
-from sdp.config import load_config
-from sdp.estimate import busiest_rank, estimate
+from sdp.launching.variants import Result, comparison_table, run_variants
+from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.step_time import load_cluster, place, step_times
+from sdp.run.config import load_config
 
 MODELS = [("llama_tiny", "synthetic_text", ["model.vocab_size=256"]), ("resnet_tiny", "synthetic_image", [])]
 EXPOSED_TARGET = 0.25  # overlapped exposed_comm_s <= this x serial's
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--coverage", type=float, default=0.5)
-    parser.add_argument("--cluster", default="cpu_2core", help="src/sdp/conf/cluster/NAME.yaml describing this machine")
+    parser.add_argument("--cluster", default="cpu_2core", help="conf/cluster/NAME.yaml describing this machine")
     parser.add_argument("--models", nargs="+", default=[m for m, _, _ in MODELS])
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="parallelism.bucket_cap_mb of every run")
     parser.add_argument("--out", type=Path, help="also write the report here (e.g. results/bench/sdp_cpu_k4.md)")

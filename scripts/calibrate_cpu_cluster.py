@@ -1,4 +1,4 @@
-"""Measure this machine as a `src/sdp/conf/cluster/*.yaml` describes one: what the step-time model needs.
+"""Measure this machine as a `conf/cluster/*.yaml` describes one: what the step-time model needs.
 
     python -m torch.distributed.run --standalone --nproc_per_node=4 scripts/calibrate_cpu_cluster.py [--out FILE]
 
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sdp.config import typed_config
 from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
+from sdp.run.config import typed_config
 
 SIZES = [2**16, 2**18, 2**20, 2**21, 2**22, 2**23]  # bytes
 

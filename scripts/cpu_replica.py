@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from sdp.collect import collect
-from sdp.sweep import run_sweep
+from sdp.analysis.tables import collect
+from sdp.launching.sweep import run_sweep
 
 NPROC = 4
 # The memory claims also read the estimator's table and the H200 measurements.

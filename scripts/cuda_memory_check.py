@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.config import load_config
-from sdp.estimate import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
-from sdp.meter import PhaseTimer, count_flops, measure_peak
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import peak_flops
 from sdp.optim import build_optimizer
-from sdp.trainer import micro_batch_size, train_step
+from sdp.planning.estimator import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer, count_flops, measure_peak
+from sdp.run.trainer import micro_batch_size, train_step
 
 GIB = 2**30
 BASE = ["dataset=fineweb", "dataset.seq_len=1024", "trainer.global_batch_size=64"]

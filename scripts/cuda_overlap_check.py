@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.compare import torchrun_command
-from sdp.config import load_config
-from sdp.estimate import dummy_batch
-from sdp.meter import PhaseTimer
+from sdp.launching.variants import torchrun_command
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
+from sdp.planning.estimator import dummy_batch
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer
+from sdp.run.trainer import micro_batch_size, train_step
 from sdp.rundir import MODEL, read_summary
-from sdp.trainer import micro_batch_size, train_step
 
 VARIANTS = {
     "N-SDP backward": ["masking=backward", "masking.granularity=neuron"],

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdp.compare import torchrun_command
+from sdp.launching.variants import torchrun_command
 from sdp.rundir import CHECKPOINTS, read_summary
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdp.compare import comparison_table, run_variants
+from sdp.launching.variants import comparison_table, run_variants
 
 NPROC = 4
 SUITES = {

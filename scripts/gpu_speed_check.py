@@ -39,16 +39,16 @@ from pathlib import Path
 import torch
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.config import load_config
 from sdp.data.prefetch import to_device
-from sdp.estimate import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
-from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
-from sdp.nonfinite import NonFiniteGuard, skips_on_device
 from sdp.optim import build_optimizer
+from sdp.planning.estimator import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer
+from sdp.run.nonfinite import NonFiniteGuard, skips_on_device
+from sdp.run.trainer import micro_batch_size, train_step
 from sdp.rundir.figures import mfu_entries
-from sdp.trainer import micro_batch_size, train_step
 
 GIB = 2**30
 BASE = ["dataset=fineweb", "dataset.seq_len=1024", "trainer.global_batch_size=64", "parallelism.mixed_precision=bf16"]

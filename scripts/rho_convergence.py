@@ -25,11 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sdp.collect import find_runs
-from sdp.config import load_config
+from sdp.analysis.rho import ddp_target, rho_markdown, rho_plot, rho_points
+from sdp.analysis.tables import find_runs
 from sdp.errors import ConfigError
-from sdp.rho import ddp_target, rho_markdown, rho_plot, rho_points
-from sdp.sweep import run_sweep
+from sdp.launching.sweep import run_sweep
+from sdp.run.config import load_config
 
 NPROC = 4
 MODES = "n_sdp_backward,n_sdp_forward"

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from sdp.launching.sweep import execute, plan
 from sdp.rundir import METRICS
-from sdp.sweep import execute, plan
 
 BASE = [
     "experiment=demo_text",

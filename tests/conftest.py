@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ranks import STARTED, run_ranks
 
-from sdp.compare import torchrun_command
+from sdp.launching.variants import torchrun_command
 from sdp.rundir import read_summary
 
 # Real torchrun launches the default suite may make (the CLI under torchrun, restarts, signals,
@@ -85,7 +85,7 @@ def tiny_model_cfg(family: str):
 
 @functools.cache
 def _tiny_model_cfg(family: str):
-    from sdp.config import typed_config
+    from sdp.run.config import typed_config
 
     model, dataset = TINY_MODELS[family]
     return typed_config([f"model={model}", f"dataset={dataset}"])[1].model
@@ -100,7 +100,7 @@ def run_harness(scenario: str, nproc: int, out: Path) -> dict:
 
 def estimator_config(overrides: list[str], world_size: int = 2):
     """A typed, validated run config as the memory estimator loads it (no data checks)."""
-    from sdp.config import load_config
+    from sdp.run.config import load_config
 
     return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
 
@@ -109,8 +109,8 @@ def load_model_pt(run_dir: Path, overrides: list[str]):
     """A run's model.pt loaded, strictly, into a freshly built plain model, in eval mode."""
     import torch
 
-    from sdp.config import typed_config
     from sdp.models import build_model
+    from sdp.run.config import typed_config
 
     model = build_model(typed_config(overrides)[1].model)
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
@@ -127,7 +127,10 @@ _popen_init = subprocess.Popen.__init__
 def _counting_init(self, args, *rest, **kwargs):
     argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
     test = os.environ.get("PYTEST_CURRENT_TEST", "(outside any test)").split(" ")[0]
-    flags = ("--nproc_per_node=", "--nproc-per-node=")  # torchrun's, or the entrypoint as launcher (sdp.launch)
+    flags = (
+        "--nproc_per_node=",
+        "--nproc-per-node=",
+    )  # torchrun's, or the entrypoint as launcher (sdp.launching.torchrun)
     if "torch.distributed.run" in argv or any(a.startswith(flags) for a in argv):
         nproc = next((int(a.split("=")[1]) for a in argv if a.startswith(flags)), 1)
         TORCHRUNS.append((test, nproc))

@@ -3,8 +3,8 @@ forked ranks (tests/ranks.py); by hand, `python -m torch.distributed.run --nproc
 tests/dist_harness.py SCENARIO OUT.json`. Every rank measures; rank 0 writes what the test
 asserts on. Measurements, not verdicts: the assertions live in the test.
 
-What runs is the product's: each check's strategy is built by `sdp.build.build_strategy` from a
-command line (`overrides`) that `sdp.config` composes and checks, and steps through the
+What runs is the product's: each check's strategy is built by `sdp.run.build.build_strategy` from a
+command line (`overrides`) that `sdp.run.config` composes and checks, and steps through the
 trainer's `train_step`. The harness keeps only what a test observes: the batches, the byte
 counters, the recorded collectives and predictions from the mask.
 """
@@ -23,17 +23,17 @@ import torch.distributed as dist
 from conftest import TINY_MODELS, tiny_model_cfg
 from torch.nn.parallel import DistributedDataParallel
 
-from sdp.build import build_strategy
-from sdp.config import load_config
 from sdp.dist import World, broadcast_object, local
-from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, computes_loss
 from sdp.optim import OptimConfig, build_optimizer
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer
+from sdp.run.trainer import TrainerConfig, forward_loss, train_step
 from sdp.subnet import MaskingConfig
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import TrainerConfig, forward_loss, train_step
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def run_config(line: list[str]):
 
 def make(family: str, masking: MaskingConfig | None, comm: CommCounter, **options):
     """The strategy a run of `overrides(family, masking, **options)` trains, built as the
-    entrypoint builds it (config composed and checked by `sdp.config`, then `sdp.build`)."""
+    entrypoint builds it (config composed and checked by `sdp.run.config`, then `sdp.run.build`)."""
     cfg = run_config(overrides(family, masking, **options))
     world = World(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=dist.get_world_size())
     return build_strategy(cfg, world=world, device=CPU, comm=comm)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-import sdp.runner
-import sdp.trainer
+import sdp.run.runner
+import sdp.run.trainer
 from sdp import train
 
 
@@ -41,7 +41,7 @@ def arm(fault: str) -> None:
     if fault == "none":
         return
     if fault == "recut":
-        real_load = sdp.runner.load_checkpoint
+        real_load = sdp.run.runner.load_checkpoint
 
         def load_then_gather(ckpt, *, strategy, optimizer, world, **kwargs):
             measured = real_load(ckpt, strategy=strategy, optimizer=optimizer, world=world, **kwargs)
@@ -50,7 +50,7 @@ def arm(fault: str) -> None:
                 torch.save(dataclasses.asdict(state), "recut.pt")
             return measured
 
-        sdp.runner.load_checkpoint = load_then_gather
+        sdp.run.runner.load_checkpoint = load_then_gather
         return
     kind, rank, step = fault.split(":")
     if int(os.environ["RANK"]) != int(rank):
@@ -59,7 +59,7 @@ def arm(fault: str) -> None:
     if kind in ("kill", "stop"):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return  # the restarted attempt runs clean
-        real_step, calls = sdp.trainer.train_step, [0]
+        real_step, calls = sdp.run.trainer.train_step, [0]
 
         def step_then_die(*args, **kwargs):
             loss = real_step(*args, **kwargs)
@@ -70,7 +70,7 @@ def arm(fault: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
             return loss
 
-        sdp.trainer.train_step = step_then_die
+        sdp.run.trainer.train_step = step_then_die
     elif kind == "enospc":
         real_save = torch.save
 
@@ -83,7 +83,7 @@ def arm(fault: str) -> None:
 
         torch.save = save
     elif kind == "nan":
-        real_loss, calls = sdp.trainer.forward_loss, [0]
+        real_loss, calls = sdp.run.trainer.forward_loss, [0]
 
         def loss_with_a_nan(model, batch, **kwargs):
             loss, correct = real_loss(model, batch, **kwargs)
@@ -93,7 +93,7 @@ def arm(fault: str) -> None:
                     loss = loss * float("nan")
             return loss, correct
 
-        sdp.trainer.forward_loss = loss_with_a_nan
+        sdp.run.trainer.forward_loss = loss_with_a_nan
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

@@ -171,7 +171,7 @@ def run_ranks(
 
 
 def job_exit_code(codes: list[int]) -> int:
-    """What `python -m sdp.train --nproc-per-node=N` (sdp.launch) exits with: 0 when every rank
+    """What `python -m sdp.train --nproc-per-node=N` (sdp.launching.torchrun) exits with: 0 when every rank
     returned 0, else the code of the lowest rank that exited on its own with one (2, 3, 130...),
     else 128 + the signal that stopped the lowest failed rank."""
     own = [c for c in codes if c and c > 0]

@@ -4,11 +4,11 @@ import pytest
 import torch
 from conftest import TINY_MODELS, tiny_model_cfg
 
-from sdp.baselines import apply_unit_noise
-from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.models import build_model
-from sdp.trainer import forward_loss
+from sdp.run.baselines import apply_unit_noise
+from sdp.run.config import load_config
+from sdp.run.trainer import forward_loss
 
 
 def _batch(family: str, n: int = 16) -> dict:

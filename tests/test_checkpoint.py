@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from sdp import dist
-from sdp.checkpoint import check_resume, choose_checkpoint, complete_checkpoints, load_checkpoint, save_checkpoint
 from sdp.metrics.comm import CommCounter
 from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.run.checkpoint import check_resume, choose_checkpoint, complete_checkpoints, load_checkpoint, save_checkpoint
 
 CONFIG = {"model": {"name": "tiny"}, "trainer": {"max_steps": 10}}
 WORLD = dist.World(rank=0, local_rank=0, world_size=1)
@@ -87,7 +87,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, grou
 
 def test_no_intact_checkpoint_refuses_the_resume_naming_each_damage(tmp_path, group):
     from sdp.errors import RunFailed
-    from sdp.runner import pick_checkpoint
+    from sdp.run.runner import pick_checkpoint
 
     older = _save(tmp_path, 2, _trainer())
     newest = _save(tmp_path, 4, _trainer())

@@ -7,8 +7,8 @@ import math
 import pytest
 from test_collect import _run
 
-from sdp.claims import FAILS, FEW, HOLDS, UNCLEAR, points_from_cuda, points_from_memory_table, quality_claims
-from sdp.collect import build_rows, collect, find_runs
+from sdp.analysis.claims import FAILS, FEW, HOLDS, UNCLEAR, points_from_cuda, points_from_memory_table, quality_claims
+from sdp.analysis.tables import build_rows, collect, find_runs
 
 
 def _seeds(root, name, accs, **kw):

@@ -3,14 +3,15 @@ under a plain `python -m sdp.train`, torchrun and sweeps."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed
 from conftest import job_env, torchrun
 from omegaconf import OmegaConf
 
-from sdp.cli import COMMON_KEYS
-from sdp.config import GROUPS, group_options, typed_config
+from sdp.launching.cli import COMMON_KEYS
+from sdp.run.config import GROUPS, group_options, typed_config
 from sdp.train import main
 
 RUN = ["model=resnet_tiny", "dataset=synthetic_image", "trainer.max_steps=3", "logger=none"]
@@ -47,6 +48,9 @@ def test_help_lists_every_group_its_options_and_the_common_keys(capsys, tmp_path
     for key in COMMON_KEYS:
         assert f"  {key} " in out, key
     assert "README.md" in out and "docs/" in out and "--config-dir DIR" in out
+    # conf/ at the top of the repository: the file --help names exists, and is the one composed
+    repo_conf = Path(__file__).parents[1] / "conf" / "config.yaml"
+    assert f"the defaults: {repo_conf})" in out and repo_conf.is_file()
 
 
 def test_cfg_job_prints_the_resolved_config_the_run_would_use(capsys, tmp_path):

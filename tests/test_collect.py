@@ -7,7 +7,8 @@ import pytest
 import yaml
 from wandb_records import offline_run
 
-from sdp.collect import _quality, build_rows, collect, find_runs, main, variant_label
+from sdp.analysis.tables import _quality, build_rows, collect, find_runs, variant_label
+from sdp.collect import main
 from sdp.rundir import Summary
 
 GIB = 2**30

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import estimator_config
 
-from sdp.config import typed_config
 from sdp.errors import ConfigError
-from sdp.estimate import estimate
 from sdp.models import build_model
+from sdp.planning.estimator import estimate
+from sdp.run.config import typed_config
 from sdp.subnet import MaskingConfig
 from sdp.subnet.groups import joined, rank_sets
 from sdp.subnet.mask import build_mask

@@ -10,18 +10,18 @@ import torch
 from conftest import run_harness, tiny_model_cfg
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.config import load_config
-from sdp.estimate import dummy_batch, skip_ddp_shape_check
-from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
+from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer
+from sdp.run.trainer import forward_loss, micro_batch_size, train_step
 from sdp.subnet import MaskingConfig
 from sdp.subnet.strategy import SDPStrategy
-from sdp.trainer import forward_loss, micro_batch_size, train_step
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,7 @@ def test_a_mask_resample_compiles_no_new_graph(monkeypatch, masking):
     # compiles are). The first subnetwork's blocks compile once; the next ones reuse them.
     backend = _CountingBackend()
     monkeypatch.setattr(
-        "sdp.build.apply_compile", lambda model, **kw: apply_compile(model, **{**kw, "backend": backend})
+        "sdp.run.build.apply_compile", lambda model, **kw: apply_compile(model, **{**kw, "backend": backend})
     )
     overrides = [
         "model=llama_tiny",

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.config import CONF_DIR, GROUPS, group_options, load_config, typed_config
 from sdp.errors import ConfigError
 from sdp.models import FAMILY_KIND
+from sdp.run.config import CONF_DIR, GROUPS, group_options, load_config, typed_config
 
 TINY_MODEL = {"text": "llama_tiny", "image": "resnet_tiny"}
 TINY_DATA = {"text": "synthetic_text", "image": "synthetic_image"}

@@ -16,12 +16,12 @@ from omegaconf import OmegaConf
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from sdp.config import CONF_DIR
 from sdp.data import DataConfig, build_data, data_vocab_size, local_text, prepare_data, validate_data
 from sdp.data.core import cache_root
 from sdp.data.images import random_crop_flip
 from sdp.data.tokenizer import encode_docs, train_bpe
 from sdp.errors import ConfigError
+from sdp.run.config import CONF_DIR
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 

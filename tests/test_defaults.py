@@ -8,14 +8,14 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.config import CONF_DIR, typed_config
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig
 from sdp.models import LlamaConfig
 from sdp.optim import OptimConfig
 from sdp.parallel import ParallelConfig
+from sdp.run.config import CONF_DIR, typed_config
+from sdp.run.trainer import TrainerConfig
 from sdp.subnet import MaskingConfig
-from sdp.trainer import TrainerConfig
 
 SCHEMAS = {"trainer": TrainerConfig, "parallelism": ParallelConfig, "masking": MaskingConfig, "optim": OptimConfig}
 SCHEMAS["logger"] = LoggerConfig

@@ -3,8 +3,8 @@
 import pytest
 from conftest import launch, read_run
 
-from sdp.config import group_options, load_config
 from sdp.errors import ConfigError
+from sdp.run.config import group_options, load_config
 
 PAPER = [e for e in group_options("experiment") if not e.startswith("demo_")]
 SDP_VARIANTS = [v for v in group_options("variant") if "_sdp_" in v]

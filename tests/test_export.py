@@ -20,14 +20,14 @@ from torch import nn
 from torchvision.models import resnet
 
 from sdp import export
-from sdp.config import to_typed, typed_config
 from sdp.data import DataConfig, build_data, data_tokenizer_file, fashion_mnist, prepare_data, synthetic
 from sdp.data.api import DATASETS
 from sdp.data.image_folder import eval_transform
 from sdp.data.tokenizer import train_bpe, wrap_tokenizer
 from sdp.models import build_model
 from sdp.redact import redact_yaml
-from sdp.rundir.export import export_model, hf_tokenizer, image_preprocessing, special_tokens
+from sdp.run.config import to_typed, typed_config
+from sdp.rundir.hf import export_model, hf_tokenizer, image_preprocessing, special_tokens
 
 DOC = Path(__file__).parents[1] / "docs" / "export.md"
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")

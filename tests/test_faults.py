@@ -17,8 +17,8 @@ import torch
 from conftest import job_env, launch, read_run
 from ranks import run_ranks
 
-from sdp.checkpoint import complete_checkpoints
-from sdp.compare import torchrun_command
+from sdp.launching.variants import torchrun_command
+from sdp.run.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.dist
 
@@ -247,7 +247,7 @@ FULL_DISK_RUN = [*RUN[:5], "trainer.max_steps=4", *RUN[6:9], "trainer.checkpoint
 
 
 def test_a_full_disk_at_the_end_keeps_a_finished_run_whole(tmp_path):
-    from sdp.collect import build_rows, find_runs
+    from sdp.analysis.tables import build_rows, find_runs
     from sdp.export import main as export_main
 
     with small_disk(tmp_path / "disk", 12) as disk:

@@ -12,9 +12,9 @@ from dataclasses import fields, is_dataclass
 import pytest
 
 from sdp import dist
-from sdp.config import group_options, typed_config
 from sdp.errors import ConfigError
-from sdp.runner import preflight
+from sdp.run.config import group_options, typed_config
+from sdp.run.runner import preflight
 
 CASES = 40  # random combinations; tests/test_fuzz_entrypoints.py draws every value class
 CASE_LIMIT_S = 10

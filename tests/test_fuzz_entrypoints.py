@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import sdp.estimate
-import sdp.launch
-import sdp.runner
-import sdp.sweep
+import sdp.launching.sweep
+import sdp.launching.torchrun
+import sdp.run.runner
 from sdp import collect, export, train
 
 CASE_LIMIT_S = 10
@@ -124,10 +124,10 @@ def _accepted(*args, **kwargs):
 @pytest.fixture
 def sentinels(monkeypatch, tmp_path):
     """Whatever runs after the checks is replaced: an accepted case raises Accepted there."""
-    monkeypatch.setattr(sdp.runner, "run", _accepted)
-    monkeypatch.setattr(sdp.launch, "_run_agent", _accepted)
+    monkeypatch.setattr(sdp.run.runner, "run", _accepted)
+    monkeypatch.setattr(sdp.launching.torchrun, "_run_agent", _accepted)
     monkeypatch.setattr(sdp.estimate, "estimate", _accepted)
-    monkeypatch.setattr(sdp.sweep, "launch", _accepted)
+    monkeypatch.setattr(sdp.launching.sweep, "launch", _accepted)
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
 

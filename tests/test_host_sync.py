@@ -12,14 +12,14 @@ from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.config import load_config
-from sdp.estimate import dummy_batch, skip_ddp_shape_check
-from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
-from sdp.nonfinite import NonFiniteGuard
 from sdp.optim import build_optimizer
-from sdp.trainer import micro_batch_size, train_step
+from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer
+from sdp.run.nonfinite import NonFiniteGuard
+from sdp.run.trainer import micro_batch_size, train_step
 
 CPU = torch.device("cpu")
 BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS

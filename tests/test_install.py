@@ -20,7 +20,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     it: that directory, then this venv's site-packages for the dependencies."""
     tmp = tmp_path_factory.mktemp("install")
     source = tmp / "source"  # a copy: building writes build/ and *.egg-info/ next to the sources
-    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for tree in ("src", "conf"):
+        shutil.copytree(REPO / tree, source / tree, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
@@ -42,11 +43,15 @@ def _run(installed, script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_wheel_carries_every_config(installed):
+def test_the_wheel_carries_every_config_and_module(installed):
+    """conf/ at the top of the repository becomes the package's sdp/conf/; every module of every
+    folder of src/sdp/ is in it (pyproject.toml lists the packages: a new folder must be added)."""
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {str(p.relative_to(REPO / "src")) for p in (REPO / "src" / "sdp" / "conf").rglob("*.yaml")}
-    assert shipped and shipped <= names
+    configs = {f"sdp/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
+    modules = {str(p.relative_to(REPO / "src")) for p in (REPO / "src" / "sdp").rglob("*.py")}
+    assert len(configs) > 40 and len(modules) > 90
+    assert sorted(configs - names) == [] and sorted(modules - names) == []
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for script in ("sdp-train = sdp.train:cli", "sdp-estimate = sdp.estimate:main", "sdp-collect = sdp.collect:main"):
         assert script in entry_points
@@ -67,6 +72,7 @@ def test_the_console_scripts_run_outside_the_source_tree(installed):
     assert module.startswith(str(where["target"])) and not any(p.startswith(sources) for p in path), probe.stdout
     helped = _run(installed, "sdp-train", "--help")
     assert helped.returncode == 0 and "demo_fmnist" in helped.stdout, helped.stderr[-2000:]
+    assert f"the defaults: {where['target']}/sdp/conf/config.yaml" in helped.stdout
     ran = _run(installed, "sdp-train", "debug=fast", "dataset=synthetic_image", "run_dir=runs/fast")
     assert ran.returncode == 0 and "run dir: runs/fast" in ran.stdout, ran.stderr[-2000:]
     estimated = _run(installed, "sdp-estimate", "model=llama_tiny", "dataset=synthetic_text", "world_size=2")

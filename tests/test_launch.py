@@ -1,4 +1,4 @@
-"""The entrypoint as its own launcher (`python -m sdp.train --nproc-per-node=N`, sdp.launch): bad
+"""The entrypoint as its own launcher (`python -m sdp.train --nproc-per-node=N`, sdp.launching.torchrun): bad
 input is one line and exit code 2 before any worker starts; Ctrl-C stops every worker with a
 checkpoint, one line, exit code 130, and summary.json keeps the steps."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import job_env
 
-from sdp.compare import train_command
 from sdp.errors import ConfigError
-from sdp.launch import split_options, torchrun_argv, world_size
-from sdp.runner import StopSignals
+from sdp.launching.torchrun import split_options, torchrun_argv, world_size
+from sdp.launching.variants import train_command
+from sdp.run.runner import StopSignals
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
 TINY += ["logger=none", "trainer.progress=false", "trainer.eval_every=0", "dataset.eval_batches=1"]
@@ -93,10 +93,10 @@ def _launch(argv: list[str], cwd) -> subprocess.Popen:
 def test_the_launcher_refuses_bad_input_before_any_worker_starts(tmp_path, monkeypatch, capsys):
     # The launcher's own process: the entrypoint's line and exit code 2 (under torchrun: that
     # line, then torchrun's ChildFailedError traceback, and exit code 1); nothing written.
-    import sdp.launch
+    import sdp.launching.torchrun
     from sdp.train import main
 
-    monkeypatch.setattr(sdp.launch, "_run_agent", lambda argv: pytest.fail(f"workers started: {argv}"))
+    monkeypatch.setattr(sdp.launching.torchrun, "_run_agent", lambda argv: pytest.fail(f"workers started: {argv}"))
     argv = ["--nproc-per-node=2", *TINY, "masking=forward", "masking.coverage=0.3", f"run_dir={tmp_path / 'bad'}"]
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -126,7 +126,7 @@ def test_ctrl_c_stops_every_worker_with_a_checkpoint_in_one_line(tmp_path):
     assert summary["status"] == "stopped" and summary["stopped_by"] == "SIGINT" and summary["resumes_from"] == step
     assert step >= 10 and step % 5 == 0
     from sdp.dist import World
-    from sdp.runner import preflight
+    from sdp.run.runner import preflight
 
     _, _, resume = preflight(argv, World(0, 0, 2))  # the same command resumes from there
     assert [c.step for c in resume.candidates] == [step]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sdp.config import load_config
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, RunLogger
+from sdp.run.config import load_config
 
 
 def _logger(cfg: LoggerConfig, where: Path, *, active: bool = True, **kwargs) -> RunLogger:

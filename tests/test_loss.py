@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from sdp.metrics.memory import LivePeak
 from sdp.models import build_model
 from sdp.models.loss import chunked_cross_entropy
-from sdp.trainer import forward_loss
+from sdp.run.trainer import forward_loss
 
 VOCAB = 4096  # the tiny LLaMA's
 TOKENS = 4 * 64

@@ -5,8 +5,9 @@ import torch
 from conftest import estimator_config, launch, read_run
 
 from sdp.errors import ConfigError
-from sdp.estimate import EstimateError, estimate, main, parse_args
-from sdp.trainer import forward_loss
+from sdp.estimate import main, parse_args
+from sdp.planning.estimator import EstimateError, estimate
+from sdp.run.trainer import forward_loss
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
 VARIANTS = {
@@ -82,13 +83,13 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
 
 
 def test_untraceable_step_is_one_clear_error(monkeypatch):
-    import sdp.trainer
+    import sdp.run.trainer
 
     def data_dependent(model, batch, **kwargs):
         torch.nonzero(batch["targets"])  # output shape depends on values: a fake tensor cannot tell
         raise AssertionError("unreachable under FakeTensorMode")
 
-    monkeypatch.setattr(sdp.trainer, "forward_loss", data_dependent)
+    monkeypatch.setattr(sdp.run.trainer, "forward_loss", data_dependent)
     with pytest.raises(EstimateError, match=r"cannot trace a training step of model=llama_tiny masking=none "):
         estimate(estimator_config(TINY), world_size=2, rank=1)
     monkeypatch.undo()

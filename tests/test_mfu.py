@@ -9,15 +9,15 @@ import torch
 from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 
 from sdp import dist
-from sdp.build import build_strategy
-from sdp.config import load_config
-from sdp.estimate import dummy_batch, skip_ddp_shape_check
-from sdp.meter import PhaseTimer, count_flops
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import attention_heads, model_flops_per_token
 from sdp.optim import build_optimizer
+from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.run.build import build_strategy
+from sdp.run.config import load_config
+from sdp.run.measure import PhaseTimer, count_flops
+from sdp.run.trainer import micro_batch_size, train_step
 from sdp.rundir.figures import mfu_entries
-from sdp.trainer import micro_batch_size, train_step
 
 CPU = torch.device("cpu")
 BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS
@@ -68,8 +68,8 @@ def test_ddp_model_flops_are_torchtitans_formula():
     # llama_tiny: 4 layers, 4 heads of 32, vocabulary 4096, hidden 128; 4 x 32 tokens a rank.
     _, entries, _ = _one_rank(["masking=none"])
     torch.manual_seed(0)
-    from sdp.config import typed_config
     from sdp.models import build_model
+    from sdp.run.config import typed_config
 
     model = build_model(typed_config([*BASE])[1].model)
     non_embedding = sum(p.numel() for p in model.parameters()) - 4096 * 128

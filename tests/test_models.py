@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sdp.config import typed_config
 from sdp.errors import ConfigError
 from sdp.models import build_model, build_on_meta, count_params
+from sdp.run.config import typed_config
 
 # (model option, dataset option, stated parameters: exact)
 STATED = [

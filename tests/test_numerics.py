@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from sdp.meter import PhaseTimer
 from sdp.metrics.comm import CommCounter
-from sdp.nonfinite import NonFiniteGuard, NonFiniteStep, skips_on_device
 from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
-from sdp.trainer import TrainerConfig, train_step
+from sdp.run.measure import PhaseTimer
+from sdp.run.nonfinite import NonFiniteGuard, NonFiniteStep, skips_on_device
+from sdp.run.trainer import TrainerConfig, train_step
 
 CPU = torch.device("cpu")
 
@@ -160,7 +160,7 @@ def test_fused_optimizer_equals_the_default_one_within_float_rounding(group, nam
 def test_the_step_clock_leaves_untimed_steps_out():
     import time
 
-    from sdp.meter import StepClock
+    from sdp.run.measure import StepClock
 
     clock = StepClock(CPU)
     for timed, seconds in ((False, 0.2), (True, 0.01), (True, 0.01), (False, 0.2), (True, 0.01)):

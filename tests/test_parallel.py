@@ -5,9 +5,9 @@ import torch
 from conftest import estimator_config, launch, load_model_pt, read_run, run_harness
 
 from sdp.errors import ConfigError
-from sdp.estimate import estimate, planned_groups
 from sdp.models import build_model
 from sdp.parallel.checkpointing import apply_activation_checkpointing
+from sdp.planning.estimator import estimate, planned_groups
 
 FAMILIES = ("llama", "resnet", "swin")
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import launch, read_run
 
-from sdp.checkpoint import check_resume, complete_checkpoints, first_difference, resume_view
 from sdp.data import build_data
 from sdp.errors import ConfigError
+from sdp.run.checkpoint import check_resume, complete_checkpoints, first_difference, resume_view
 from sdp.rundir import truncate_metrics
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
@@ -98,8 +98,8 @@ def test_first_difference_and_metrics_truncation(tmp_path):
 
 
 def test_resume_may_change_logging_but_not_training(tmp_path):
-    from sdp.config import load_config
-    from sdp.runner import resume_config
+    from sdp.run.config import load_config
+    from sdp.run.runner import resume_config
 
     raw, _ = load_config([*TINY, "logger=none"], world_size=2, offline=True, check_data=False)
     other, _ = load_config(
@@ -123,7 +123,7 @@ def test_resume_may_change_logging_but_not_training(tmp_path):
 )
 def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
     # Start positions inside the first epoch and past its end (the epoch wraps).
-    from sdp.config import typed_config
+    from sdp.run.config import typed_config
 
     cfg = typed_config(overrides)[1].dataset
 
@@ -142,7 +142,7 @@ def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
 def test_a_signal_asks_every_rank_to_stop(tmp_path):
     import torch.distributed as tdist
 
-    from sdp.runner import StopSignals
+    from sdp.run.runner import StopSignals
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -163,7 +163,7 @@ def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
     # The config records run_dir as the first launch spelled it; the run dir is the run, so a
     # trailing slash, a relative path, a symlink or a moved directory all resume it.
     from sdp.dist import World
-    from sdp.runner import preflight
+    from sdp.run.runner import preflight
 
     monkeypatch.chdir(tmp_path)
     first = tmp_path / "first"

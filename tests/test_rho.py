@@ -6,9 +6,9 @@ import json
 import pytest
 from test_collect import _run
 
-from sdp.claims import FEW, HOLDS, UNCLEAR
-from sdp.collect import find_runs
-from sdp.rho import RhoPoint, ddp_target, mixing_comparisons, rho_markdown, rho_plot, rho_points
+from sdp.analysis.claims import FEW, HOLDS, UNCLEAR
+from sdp.analysis.rho import RhoPoint, ddp_target, mixing_comparisons, rho_markdown, rho_plot, rho_points
+from sdp.analysis.tables import find_runs
 
 
 def _curve(run_dir, losses, every=2):

@@ -9,12 +9,12 @@ from omegaconf import OmegaConf
 from test_config import _overrides_for
 from test_sweep import BASE
 
-from sdp.config import GROUPS, compose_config, group_options, load_config, typed_config
 from sdp.errors import ConfigError
+from sdp.launching.sweep import run_sweep
 from sdp.metrics.logger import LoggerConfig, RunLogger
 from sdp.redact import REDACTED, is_secret_name, redact, redact_text, redact_yaml, secret_values
+from sdp.run.config import GROUPS, compose_config, group_options, load_config, typed_config
 from sdp.rundir import Summary, write_summary
-from sdp.sweep import run_sweep
 
 # Distinctive fakes: 40 hex digits like a W&B key, `hf_` and 34 letters like a Hugging Face token.
 WANDB_KEY = "5ec7e7c0ffee5ec7e7c0ffee5ec7e7c0ffee5ec7"

@@ -80,7 +80,7 @@ def test_batchnorm_recalibration_recomputes_statistics(tmp_path):
     """After recalibration the running mean is the mean over all calibration samples, and momentum is kept."""
     import torch.distributed as dist
 
-    from sdp.trainer import recalibrate_batchnorm
+    from sdp.run.trainer import recalibrate_batchnorm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -8,7 +8,7 @@ import pytest
 from wandb_records import offline_run
 
 from sdp.errors import ConfigError
-from sdp.sweep import COUNTS, FLAGS, expand, plan, run_sweep, split_options
+from sdp.launching.sweep import COUNTS, FLAGS, expand, plan, run_sweep, split_options
 
 BASE = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
 BASE += ["trainer.max_steps=2", "logger=none", "dataset.eval_batches=1", "trainer.progress=false"]

@@ -1,6 +1,6 @@
 """`python -m sdp.export RUN_DIR [RUN_DIR ...]`: write RUN_DIR/hf/ for runs that exist, from
 their model.pt and config.yaml, as `trainer.export=hf` does at the end of a run (see
-`sdp.rundir.export`): a transformers LlamaForCausalLM for LLaMA, with the run's tokenizer
+`sdp.rundir.hf`): a transformers LlamaForCausalLM for LLaMA, with the run's tokenizer
 where this machine has it (its dataset's cache or path), safetensors and builder.json (with
 the run's image preprocessing) for the vision models; docs/export.md describes the files."""
 
@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sdp import rundir
-from sdp.config import RunConfig, to_typed
 from sdp.errors import ConfigError
 from sdp.paths import DamagedFile, describe, read_yaml_mapping
+from sdp.run.config import RunConfig, to_typed
 from sdp.rundir import write_error
-from sdp.rundir.export import EXPORT_DIR, export_run_dir, exported_files
+from sdp.rundir.hf import EXPORT_DIR, export_run_dir, exported_files
 
 
 def export_run(run_dir: Path) -> list[str]:

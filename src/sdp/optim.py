@@ -44,7 +44,7 @@ class OptimConfig:
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
     # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
-    # guard's found_inf, see sdp.nonfinite); foreach: torch's multi-tensor one. auto: fused on
+    # guard's found_inf, see sdp.run.nonfinite); foreach: torch's multi-tensor one. auto: fused on
     # CUDA, torch's default elsewhere (on CPU its per-tensor loop: the CPU results so far).
     implementation: Implementation = Implementation.auto
 

@@ -14,6 +14,16 @@ import yaml
 from sdp.errors import ConfigError
 
 
+def _conf_dir() -> Path:
+    """The shipped configs: conf/ at the top of the repository in a source tree (and an editable
+    install); a wheel installs the same files as the package's own conf/ (pyproject.toml)."""
+    here = Path(__file__).resolve().parent
+    return here / "conf" if (here / "conf").is_dir() else here.parents[1] / "conf"
+
+
+CONF_DIR = _conf_dir()
+
+
 class DamagedFile(ConfigError):
     """A file of a run dir (or one the user named) that cannot be read as what it should be:
     the line is `PATH: what is wrong`."""

@@ -7,8 +7,8 @@ RUN_DIR/config.yaml      the resolved config (secrets redacted)          train's
         model.pt         the final evaluated model, a plain state dict   the trainer's evaluation
         hf/              model.pt in the family's standard format        export_model (trainer.export)
         launch.json      the torchrun job that made the dir (restarts)   record_launch
-        nonfinite_step_N.json  the diagnosis of a NaN/Inf step           sdp.nonfinite
-        checkpoints/step_N/    resumable state                           sdp.checkpoint
+        nonfinite_step_N.json  the diagnosis of a NaN/Inf step           sdp.run.nonfinite
+        checkpoints/step_N/    resumable state                           sdp.run.checkpoint
         wandb/           W&B's offline files                             RunLogger
 ```
 

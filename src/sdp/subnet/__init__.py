@@ -18,7 +18,7 @@ from sdp.subnet.units import Granularity
 
 class Masking(StrEnum):
     """masking.name. none: DDP; backward, forward: SDP; dropout / stochastic_depth: DDP with
-    SDP's units dropped at random (sdp.baselines)."""
+    SDP's units dropped at random (sdp.run.baselines)."""
 
     none = "none"
     backward = "backward"

@@ -30,11 +30,11 @@ from sdp.metrics.logger import LoggerConfig, validate_logger
 from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, build_on_meta, validate_model
 from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
+from sdp.paths import CONF_DIR
+from sdp.run.trainer import TrainerConfig, validate_trainer
 from sdp.subnet import MaskingConfig, is_sdp, validate_masking
 from sdp.subnet.strategy import validate_plan
-from sdp.trainer import TrainerConfig, validate_trainer
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped inside the package
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
 
 

@@ -16,8 +16,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist, rundir
-from sdp.build import build_strategy
-from sdp.checkpoint import (
+from sdp.data import DataBundle, build_data, prepare_data
+from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed, WriteFailed
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.logger import RunLogger
+from sdp.optim import build_optimizer, build_scheduler
+from sdp.parallel import Strategy
+from sdp.redact import redact, redact_text, redact_yaml
+from sdp.run.build import build_strategy
+from sdp.run.checkpoint import (
     Checkpoint,
     Checkpointer,
     Resume,
@@ -27,19 +34,12 @@ from sdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sdp.config import RunConfig, load_config, typed_config, validate
-from sdp.data import DataBundle, build_data, prepare_data
-from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed, WriteFailed
-from sdp.meter import Meter
-from sdp.metrics.comm import CommCounter
-from sdp.metrics.logger import RunLogger
-from sdp.nonfinite import NonFinitePolicy
-from sdp.optim import build_optimizer, build_scheduler
-from sdp.parallel import Strategy
-from sdp.redact import redact, redact_text, redact_yaml
+from sdp.run.config import RunConfig, load_config, typed_config, validate
+from sdp.run.measure import Meter
+from sdp.run.nonfinite import NonFinitePolicy
+from sdp.run.trainer import Evaluation, micro_batch_size, train
 from sdp.rundir import Summary, variant_label, write_error
-from sdp.rundir.export import EXPORT_DIR, export_run_dir, exported_files
-from sdp.trainer import Evaluation, micro_batch_size, train
+from sdp.rundir.hf import EXPORT_DIR, export_run_dir, exported_files
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -61,7 +61,7 @@ def pivot_keys(cfg: RunConfig) -> dict:
 
 def resume_config(raw: DictConfig) -> dict:
     """The resolved config as a resume compares it with the checkpoint's (secrets redacted:
-    it is written into every checkpoint's meta.json); `sdp.checkpoint.resume_view` leaves out
+    it is written into every checkpoint's meta.json); `sdp.run.checkpoint.resume_view` leaves out
     what a resume may change."""
     return redact(OmegaConf.to_container(raw, resolve=True))
 

@@ -174,7 +174,7 @@ def save_tokenizer(out: Path, fast: PreTrainedTokenizerFast) -> None:
 
 def run_dataset(run_dir: Path) -> DataConfig:
     """The dataset config of the run, from its config.yaml's dataset section, typed as
-    sdp.config.to_typed types it (importing that module from here would make a cycle)."""
+    sdp.run.config.to_typed types it (importing that module from here would make a cycle)."""
     section = OmegaConf.load(run_dir / CONFIG).dataset
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), section))
 

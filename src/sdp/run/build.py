@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from sdp import dist
-from sdp.baselines import BASELINES, apply_unit_noise
-from sdp.config import RunConfig
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, computes_loss
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.parallel.fsdp import FSDPStrategy
+from sdp.run.baselines import BASELINES, apply_unit_noise
+from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp
 from sdp.subnet.sharded import ShardedSDPStrategy
 from sdp.subnet.strategy import SDPStrategy

@@ -11,7 +11,7 @@ run's ρ beside what it reached:
   below it, or none within the run.
 
 and compare each construction's final eval loss with that of the blocked mask (ρ = 0) of the
-same variant, by the rule of claims.md (`sdp.claims.Comparison`: mixing helps when the
+same variant, by the rule of claims.md (`sdp.analysis.claims.Comparison`: mixing helps when the
 blocked mask's loss is higher by more than 2 standard errors over the seeds).
 
 Like `sdp.collect`, they read only summary.json and metrics.jsonl.
@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdp.claims import Comparison, Measure
+from sdp.analysis.claims import Comparison, Measure
 from sdp.rundir import Summary, evaluations, variant_label
 
 POOR = "blocked"  # the construction every other one is compared with (ρ = 0)

@@ -16,14 +16,14 @@ from torch import nn
 from tqdm import tqdm
 
 from sdp import dist
-from sdp.checkpoint import Checkpointer
 from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
 from sdp.errors import ConfigError, Interrupted, WriteFailed
-from sdp.meter import Meter, PhaseTimer
 from sdp.metrics.logger import RunLogger
-from sdp.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
 from sdp.parallel import Strategy
+from sdp.run.checkpoint import Checkpointer
+from sdp.run.measure import Meter, PhaseTimer
+from sdp.run.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
 from sdp.rundir import write_error
 
 
@@ -63,7 +63,7 @@ class TrainerConfig:
     # Write the final evaluated model (assembled under SDP, with its evaluation
     # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
     save_model: bool = True
-    # hf: with save_model, also RUN_DIR/hf/ (sdp.rundir.export): from_pretrained-loadable for
+    # hf: with save_model, also RUN_DIR/hf/ (sdp.rundir.hf): from_pretrained-loadable for
     # LLaMA, safetensors and builder.json for vision; none: model.pt only.
     export: Export = Export.hf
     # The step run under the live-tensor memory tracker (FLOPs are counted on the
@@ -80,7 +80,7 @@ class TrainerConfig:
     # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
     protocol: Protocol = Protocol.same_iteration
     # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
-    # before the update; see sdp.nonfinite): stop (write nonfinite_step_N.json and fail,
+    # before the update; see sdp.run.nonfinite): stop (write nonfinite_step_N.json and fail,
     # keeping the last good checkpoint), skip (drop the update; stop after max_nonfinite_skips
     # such steps) or off (no check: saves a 2-element all-reduce per step).
     on_nonfinite: OnNonFinite = OnNonFinite.stop
@@ -232,7 +232,7 @@ def train_step(
     """One optimizer step over cfg.grad_accum_steps micro-batches; returns the mean loss (detached).
 
     The NaN/Inf check (cfg.on_nonfinite) runs on the device through `guard` when one is given
-    (a fused optimizer, see sdp.nonfinite), else on the host, raising NonFiniteStep. The
+    (a fused optimizer, see sdp.run.nonfinite), else on the host, raising NonFiniteStep. The
     estimator runs this same function under FakeTensorMode, so what it measures is what runs.
     """
     model = strategy.model

@@ -1,4 +1,4 @@
-"""Sweeps: `python -m sdp.train -m KEY=A,B ...` (or `python -m sdp.sweep ...`).
+"""Sweeps: `python -m sdp.train -m KEY=A,B ...` (or `python -m sdp.launching.sweep ...`).
 
 Hydra's sweep syntax (`a=1,2`, `range(...)`, `choice(...)`, `glob(...)`) expands
 into the cross product of jobs, in Hydra's order. Every job is a full
@@ -51,12 +51,13 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from sdp import dist, runner
-from sdp.checkpoint import check_completed
-from sdp.compare import launch
-from sdp.config import load_config
+from sdp import dist
 from sdp.errors import ConfigError
+from sdp.launching.variants import launch
 from sdp.redact import redact, redact_text
+from sdp.run import runner
+from sdp.run.checkpoint import check_completed
+from sdp.run.config import load_config
 from sdp.rundir import read_summary, run_status
 
 SWEEP_KEYS = (

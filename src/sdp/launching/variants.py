@@ -37,7 +37,7 @@ def torchrun_command(nproc: int, *target: str) -> list[str]:
 
 def train_command(nproc: int, *args: str) -> list[str]:
     """`python -m sdp.train --nproc-per-node=nproc ARGS...` with this interpreter: the entrypoint
-    as its own launcher (`sdp.launch`)."""
+    as its own launcher (`sdp.launching.torchrun`)."""
     return [sys.executable, "-m", "sdp.train", f"--nproc-per-node={nproc}", *args]
 
 

@@ -3,9 +3,10 @@
 import pytest
 from conftest import estimator_config
 
-from sdp.cluster import Cluster, Collective, collective_seconds, load_cluster, place, simulate, step_times
 from sdp.errors import ConfigError
-from sdp.estimate import ddp_overrides, estimate, main, parse_args
+from sdp.estimate import ddp_overrides, main, parse_args
+from sdp.planning.estimator import estimate
+from sdp.planning.step_time import Cluster, Collective, collective_seconds, load_cluster, place, simulate, step_times
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
 

@@ -29,13 +29,13 @@ all-gather at the need point of the one before it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
+from sdp.paths import CONF_DIR
 
-CLUSTER_DIR = Path(__file__).resolve().parent / "conf" / "cluster"
+CLUSTER_DIR = CONF_DIR / "cluster"
 
 
 @dataclass

@@ -12,9 +12,9 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sdp.config import CONF_DIR, GROUPS, group_options, search_dirs, typed_config, with_config_dirs
 from sdp.errors import ConfigError
 from sdp.redact import redact
+from sdp.run.config import CONF_DIR, GROUPS, group_options, search_dirs, typed_config, with_config_dirs
 
 CFG_KINDS = ("job", "hydra", "all")
 FLAGS = "-m/--multirun, -h/--help, -c/--cfg job|hydra|all, --resolve, -cd/--config-dir DIR"
@@ -107,7 +107,7 @@ def help_text(overrides: list[str]) -> str:
         "usage: torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]",
         "       python -m sdp.train -m key=a,b ...   (a sweep; sweep.KEY=VALUE options: docs/sweeps.md)",
         "",
-        "Config groups (group=option; the defaults are conf/config.yaml's):",
+        f"Config groups (group=option; the defaults: {CONF_DIR / 'config.yaml'}):",
     ]
     width = max(len(g) for g in GROUPS)
     lines += [f"  {g:<{width}}  {', '.join(group_options(g, dirs))}" for g in GROUPS]

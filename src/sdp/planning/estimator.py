@@ -1,0 +1,274 @@
+"""The per-rank memory of a run, traced without a GPU (the command is `python -m sdp.estimate`).
+
+`estimate(cfg, world_size=K, rank=R)` plays one rank of a K-worker job in this one
+process and runs three training steps of the run's own code (config, DDP or
+SDP strategy, optimizer, `train_step`) under FakeTensorMode with a fake
+process group: tensors have shapes, dtypes and storages but no data, and no
+collective moves anything. As in a run (`trainer.profile_step`, 3 by default),
+the second step runs under the FLOP counter and the third under the live-tensor
+tracker, after the optimizer state exists. It returns the same memory breakdown as a run's
+`summary.json`, plus the communication bytes per step the rank would send.
+
+Sizes are those of the configured dtypes (fp32 today) and are the same on a
+CUDA device; the CUDA caching allocator adds its block rounding and
+fragmentation on top (`max_memory_reserved`), which no trace can know.
+Inputs are dummies of the configured shapes (micro-batch = global batch /
+(K x accumulation steps), sequence length or image size), so no data is read.
+
+With NCCL every process group a rank joins is a communicator with device
+buffers of its own: the estimate counts them (the world, SDP's holder sets,
+SDP x FSDP's mesh) and adds `parallelism.comm_group_overhead_mb` each to the
+peak, shown apart, so that "does it fit" includes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import time
+
+import torch
+import torch.nn.parallel.distributed as ddp_module
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from sdp import dist
+from sdp.errors import ConfigError
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.flops import flop_counter
+from sdp.models import build_model
+from sdp.optim import build_optimizer
+from sdp.parallel import sdp_workers
+from sdp.run.build import build_strategy
+from sdp.run.config import RunConfig
+from sdp.run.measure import PhaseTimer, measure_peak
+from sdp.run.trainer import micro_batch_size, train_step
+from sdp.subnet import is_sdp
+from sdp.subnet.strategy import plan_mask, planned_comm_groups
+
+GIB = 2**30
+
+
+class EstimateError(RuntimeError):
+    """The configured step could not be traced under FakeTensorMode."""
+
+
+def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
+    """The rank holding the most unit parameters under the run's mask (0 under DDP); under
+    SDP x FSDP, shard 0 of the busiest worker."""
+    if not is_sdp(cfg.masking.name):
+        return 0
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=workers)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    held = [
+        sum(mask.held_units(w, g).size * group.unit_numel(shapes) for g, group in enumerate(spec.groups))
+        for w in range(workers)
+    ]
+    return max(range(workers), key=lambda w: held[w]) * (world_size // workers)
+
+
+def planned_groups(cfg: RunConfig, *, world_size: int) -> list[int]:
+    """The process groups (NCCL communicators) each rank of the run joins, the world included."""
+    if not is_sdp(cfg.masking.name):
+        return [1] * world_size
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
+    return planned_comm_groups(
+        model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp, steps=cfg.trainer.max_steps
+    )
+
+
+def dummy_batch(cfg: RunConfig, micro: int) -> dict:
+    """Inputs and targets of the run's shapes (values are irrelevant: they are fake)."""
+    if cfg.dataset.kind == "text":
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, cfg.dataset.seq_len + 1))
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    size, classes = cfg.dataset.image_size, cfg.dataset.num_classes
+    return {"inputs": torch.randn(micro, 3, size, size), "targets": torch.randint(0, classes, (micro,))}
+
+
+class _KeepFirstBuckets:
+    """DDP's reducer, except that it keeps its first bucket layout. DDP re-buckets once,
+    after the first step, in gradient-arrival order, which reads tensor data; the
+    buckets hold the same bytes either way."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Give every meta parameter and buffer a storage (fake ones under FakeTensorMode), in
+    place; tied tensors stay tied. (`Module.to_empty` cannot: it swaps tensors, which fake
+    tensors refuse.)"""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = empty(t)
+    return model
+
+
+@contextlib.contextmanager
+def skip_ddp_shape_check():
+    """DDP checks at construction that every rank's parameter shapes agree, through a
+    collective that reads tensor data: fake tensors have none and a fake process group
+    has no other ranks. One process playing one rank builds the model every rank would."""
+    check = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+
+
+def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
+    """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`."""
+    start = time.perf_counter()
+    device = torch.device("cpu")
+    # No NaN check under fake tensors (it reads a value); it costs a scalar, nothing to measure.
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, on_nonfinite="off"))
+    # Eager: compiled blocks fuse elementwise work and keep fewer activations, so the estimate of
+    # a compiled run is an upper bound (dynamo does not trace under this fake mode).
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, compile=False))
+    micro = micro_batch_size(cfg.trainer, world_size=world_size)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    comm = CommCounter()
+
+    def empty_build(model_cfg) -> torch.nn.Module:
+        """The plain model with storages made by the active fake mode. Built on the meta
+        device first: model constructors may read tensor values (timm's drop-path rates)."""
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = build_model(model_cfg)
+        return _materialize(model, device)
+
+    def fake_build(model_cfg) -> torch.nn.Module:
+        with fake:
+            return empty_build(model_cfg)
+
+    world = dist.World(rank=rank, local_rank=0, world_size=world_size)
+    with dist.fake_process_group(rank, world_size):
+        try:
+            if not is_sdp(cfg.masking.name):
+                with fake, skip_ddp_shape_check():
+                    strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build)
+                if cfg.parallelism.name == "ddp":
+                    strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
+            else:
+                # The mask and layout are plain integer bookkeeping: they run outside the
+                # fake mode, on the fake model's shapes.
+                strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=fake_build)
+            with fake:
+                optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+                batches = itertools.repeat(dummy_batch(cfg, micro))
+                timer = PhaseTimer(device)
+
+                def run_step() -> torch.Tensor:
+                    return train_step(
+                        strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer
+                    )
+
+                flops, static, peak, timeline = _profiled_steps(strategy, optimizer, run_step, comm)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise EstimateError(
+                f"cannot trace a training step of model={cfg.model.name} masking={cfg.masking.name} "
+                f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
+            ) from err
+    per_step = comm.per_step()
+    groups = planned_groups(cfg, world_size=world_size)[rank]
+    return {
+        "model": cfg.model.name,
+        "masking": cfg.masking.name,
+        "granularity": cfg.masking.granularity if is_sdp(cfg.masking.name) else None,
+        "coverage": cfg.masking.coverage,
+        "world_size": world_size,
+        "rank": rank,
+        "micro_batch": micro,
+        "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
+        "n_params": strategy.full_params,
+        "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
+        "flops_per_step": flops,
+        "comm_bytes_per_step": sum(per_step.values()),
+        "comm_bytes_per_step_by_kind": per_step,
+        "timeline": timeline,
+        "precision": cfg.parallelism.mixed_precision,
+        "trace_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def _profiled_steps(strategy, optimizer, run_step, comm: CommCounter) -> tuple[int, dict, dict, list[dict]]:
+    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak. Step 2's
+    collectives are kept with the FLOPs done when each is issued and needed (the step-time
+    model), those it needs itself (issued in it or just before). Returns (FLOPs, static
+    bytes, peak by kind, timeline)."""
+    comm.timeline = []
+    run_step()
+    comm.end_step()
+    with flop_counter() as counter:
+        comm.position = counter.get_total_flops
+        run_step()
+    comm.position, timeline, comm.timeline = None, comm.timeline, None
+    comm.end_step()
+    static = strategy.memory(optimizer)
+    _, peak = measure_peak(strategy, optimizer, run_step)
+    comm.end_step()
+    needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
+    return int(counter.get_total_flops()), static, peak, needed
+
+
+def _memory(static: dict, peak: dict, *, groups: int, group_mb: float) -> dict:
+    """The estimate's memory: static bytes, the live peak, and the communicators' allowance (with
+    NCCL each process group is a communicator with buffers of its own on the device)."""
+    allowance = int(groups * group_mb * 2**20)
+    return {
+        **static,
+        "peak_bytes": peak["total"],
+        "peak_breakdown": peak,
+        "comm_groups": groups,
+        "comm_group_bytes": allowance,
+        "peak_with_comm_groups_bytes": peak["total"] + allowance,
+    }
+
+
+def format_estimate(est: dict) -> str:
+    """A human-readable block in GiB."""
+    mem = est["memory"]
+    static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+    variant = est["masking"] if est["masking"] == "none" else f"{est['masking']}/{est['granularity']}"
+    lines = [
+        f"{est['model']} ({est['n_params'] / 1e6:.1f}M params), masking={variant} C={est['coverage']}, "
+        f"rank {est['rank']} of {est['world_size']}, micro-batch {est['micro_batch']}"
+        + (f" x {est['seq_len']} tokens" if est["seq_len"] else ""),
+        f"  static   params {mem['params_bytes'] / GIB:.3f}  grads {mem['grads_bytes'] / GIB:.3f}  "
+        f"optimizer {mem['optim_bytes'] / GIB:.3f}  = {static / GIB:.3f} GiB",
+        "  peak     "
+        + "  ".join(f"{k} {v / GIB:.3f}" for k, v in mem["peak_breakdown"].items() if k != "total")
+        + f"  = {mem['peak_bytes'] / GIB:.3f} GiB",
+        f"  compute  {est['flops_per_step'] / 1e12:.3f} TFLOP/step; comm {est['comm_bytes_per_step'] / GIB:.3f} "
+        f"GiB/step sent; traced in {est['trace_s']:.1f} s",
+        f"  groups   {mem['comm_groups']} process groups (NCCL communicators, the world included) x "
+        f"{mem['comm_group_bytes'] / max(1, mem['comm_groups']) / 2**20:g} MiB = {mem['comm_group_bytes'] / GIB:.3f} "
+        f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
+    ]
+    return "\n".join(lines)
