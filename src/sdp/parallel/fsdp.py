@@ -28,7 +28,8 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
 from sdp.models import blocks
 from sdp.optim import hyperparameters, set_state, state_by_name
-from sdp.parallel import ParallelConfig, PortableState, Strategy, host, rank0_buffers
+from sdp.parallel.config import ParallelConfig
+from sdp.parallel.strategy import PortableState, Strategy, host, rank0_buffers
 
 
 def counting_collectives(comm: CommCounter):

@@ -1,0 +1,128 @@
+"""parallelism.*: the data-parallel scheme's config and the checks on its values alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sdp.errors import ConfigError
+
+
+class Parallelism(StrEnum):
+    ddp = "ddp"
+    fsdp = "fsdp"  # FSDP2
+
+
+class Checkpointing(StrEnum):
+    """parallelism.activation_checkpointing, per block."""
+
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class CompileBackend(StrEnum):
+    """parallelism.compile_backend: torch.compile's backend. inductor generates kernels;
+    aot_eager runs the graphs inductor would be given with torch's own kernels (same bits as
+    eager where the graph is the same: a check that the compiled graphs are right); eager only
+    traces."""
+
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+@dataclass
+class ParallelConfig:
+    name: Parallelism = Parallelism.ddp
+    backend: Backend = Backend.auto
+    bucket_cap_mb: float = 25  # MiB
+    # SDP: average gradients in buckets launched during the backward (post-accumulate-grad
+    # hooks, one global launch order) and overlap backward masking's weight refresh with the
+    # next forward; false: both after the compute, one bucket at a time (the reference).
+    overlap_comm: bool = True
+    # What one process group costs a rank on the device with NCCL (its communicator's buffers):
+    # 544-688 MiB measured on 4 A100s with NVLink (NVIDIA/nccl#964; 688 for groups of more than
+    # two); the estimator adds it per group to its peak.
+    comm_group_overhead_mb: float = 688.0
+    # Refuse a run whose busiest rank would join more process groups than this (world included).
+    max_comm_groups: int = 16
+    activation_checkpointing: Checkpointing = Checkpointing.none
+    # torch.compile every block's forward (sdp.parallel.compile); None: on CUDA, not on CPU.
+    compile: bool | None = None
+    compile_backend: CompileBackend = CompileBackend.inductor
+    # bf16: compute in bf16 with fp32 master weights, gradients reduced in fp32.
+    mixed_precision: Precision = Precision.fp32
+    reshard_after_forward: bool = True  # fsdp: free gathered weights after each block's forward
+    # fsdp with SDP masking: F, the ranks that shard each SDP worker's subnetwork
+    # (K = world_size / F workers). Unused by plain FSDP, which shards over all ranks.
+    fsdp_degree: int = 1
+    # The process-group timeout: a collective that gets no reply for this long fails on every
+    # rank still responding, with one error naming it. Long enough for the slowest legitimate
+    # wait (a checkpoint of a large model, the first step's compilation on one rank).
+    timeout_s: float = 1800.0
+
+
+def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
+    """K, the number of SDP workers: the world, or world / F under SDP x FSDP."""
+    sdp = masking in ("backward", "forward")
+    return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and sdp else world_size
+
+
+# Communicators cost device memory (parallelism.comm_group_overhead_mb each): a rank in more
+# than this many groups is a typo of parallelism.max_comm_groups, not a plan.
+MAX_COMM_GROUPS = 4096
+
+
+def validate_parallel(
+    cfg: ParallelConfig,
+    *,
+    masking: str = "none",
+    world_size: int = 1,
+) -> None:
+    if cfg.fsdp_degree < 1:
+        raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
+    if cfg.fsdp_degree > 1 and not (cfg.name == "fsdp" and masking in ("backward", "forward")):
+        raise ConfigError(
+            "parallelism.fsdp_degree",
+            cfg.fsdp_degree,
+            f"is the shard group of each SDP worker and applies only to parallelism=fsdp with masking=forward "
+            f"(here parallelism={cfg.name}, masking={masking}; plain FSDP shards over all ranks); allowed: 1",
+        )
+    if cfg.name == "fsdp" and masking in ("backward", "forward"):
+        if masking != "forward":
+            raise ConfigError(
+                "parallelism",
+                cfg.name,
+                f"with masking={masking}: SDP x FSDP needs masking=forward (backward masking trains views "
+                "into full weights on every rank, which FSDP's shards cannot host); allowed: parallelism=ddp",
+            )
+        if world_size % cfg.fsdp_degree:
+            raise ConfigError(
+                "parallelism.fsdp_degree",
+                cfg.fsdp_degree,
+                f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
+            )
+    if cfg.bucket_cap_mb <= 0:
+        raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
+    if cfg.comm_group_overhead_mb < 0:
+        raise ConfigError("parallelism.comm_group_overhead_mb", cfg.comm_group_overhead_mb, "must be >= 0")
+    if not cfg.timeout_s > 0:
+        raise ConfigError("parallelism.timeout_s", cfg.timeout_s, "must be > 0 (seconds)")
+    if not 1 <= cfg.max_comm_groups <= MAX_COMM_GROUPS:
+        raise ConfigError(
+            "parallelism.max_comm_groups",
+            cfg.max_comm_groups,
+            f"must be in [1, {MAX_COMM_GROUPS}] (the world's group included; each is an NCCL communicator)",
+        )
