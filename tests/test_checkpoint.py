@@ -1,12 +1,21 @@
 """Checkpoint integrity in one process: manifests and checksums, a damaged newest checkpoint
 falls back to the one before, a full disk keeps the previous one, a diverged or reshaped
-state is refused. The multi-process faults (a killed rank, NaNs) are in test_faults.py."""
+state is refused; and, on two forked ranks, a save issues the same collectives on every rank
+whatever each rank's IO did. The multi-process faults (a killed rank, NaNs) are in test_faults.py."""
 
+import contextlib
 import errno
 import json
+from datetime import timedelta
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as tdist
+import torch.distributed.distributed_c10d as c10d
+from conftest import job_env
+from ranks import run_ranks
 from torch import nn
 
 from sdp import dist
@@ -160,3 +169,133 @@ def test_a_checkpoint_loads_bitwise_and_refuses_another_shape(tmp_path, group):
     wider = _trainer(width=16)
     with pytest.raises(RuntimeError, match=r"does not fit this run's model: .*size mismatch for 0.weight"):
         load_checkpoint(ckpt, strategy=wider[0], optimizer=wider[1], scheduler=wider[2], **load)
+
+
+# The checkpoints saved by the job of test_every_rank_issues_the_same_collectives_whatever_its_io_did,
+# and what fails in each with a full disk: (rank, what).
+FAULTS = {2: None, 4: (1, "write"), 6: (0, "write"), 8: (0, "partial dir"), 10: (0, "commit")}
+COLLECTIVES = (
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
+
+
+def _record_collectives(trace: list) -> None:
+    """From now on every torch.distributed collective this process issues is appended to `trace`
+    by name: the outermost call only (an object collective's own tensor collectives are part of it)."""
+    depth = [0]
+
+    def recorder(name, real):
+        def recorded(*args, **kwargs):
+            if depth[0] == 0:
+                trace.append(name)
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return recorded
+
+    for module in (tdist, c10d):
+        for name in COLLECTIVES:
+            if hasattr(module, name):
+                setattr(module, name, recorder(name, getattr(module, name)))
+
+
+def _full_disk(what: str):
+    """`what` of a checkpoint fails on this rank as on a full disk."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    return {
+        "write": mock.patch.object(torch, "save", side_effect=full),
+        "partial dir": mock.patch.object(Path, "mkdir", side_effect=full),
+        "commit": mock.patch("sdp.run.checkpoint.write_json_atomic", side_effect=full),
+    }[what]
+
+
+def save_and_record(argv: list[str]) -> int:
+    """One forked rank (tests/ranks.py) of the job of the test below: the checkpoints of FAULTS,
+    each with its fault on its rank, into ./run; what each save returned and the collectives it
+    issued go to ./trace_RANK.json."""
+    tdist.init_process_group("gloo", timeout=timedelta(seconds=20))  # a mismatch fails instead of hanging
+    rank = tdist.get_rank()
+    world = dist.World(rank=rank, local_rank=rank, world_size=tdist.get_world_size())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))  # buffers: rank 0's are saved
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    strategy = DDPStrategy(model, ParallelConfig(), device=CPU, comm=CommCounter(CPU))
+    trace, out = [], {}
+    _record_collectives(trace)
+    for step, fault in FAULTS.items():
+        trace.clear()
+        mine = fault is not None and fault[0] == rank
+        with _full_disk(fault[1]) if mine else contextlib.nullcontext():
+            try:
+                path = save_checkpoint(
+                    Path("run"),
+                    step=step,
+                    strategy=strategy,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    world=world,
+                    device=CPU,
+                    config=CONFIG,
+                    keep=2,
+                )
+                returned = None if path is None else path.name
+            except Exception as err:  # noqa: BLE001 - a mismatched collective: recorded for the test
+                returned = f"raised {type(err).__name__}: {err}"
+        out[step] = {"collectives": list(trace), "returned": returned}
+        if returned and returned.startswith("raised"):
+            break  # the group is broken
+    Path(f"trace_{rank}.json").write_text(json.dumps(out))
+    return 0
+
+
+def test_every_rank_issues_the_same_collectives_whatever_its_io_did(tmp_path):
+    # With NCCL a rank that issues other collectives than the others, or in another order, hangs
+    # the job. Two ranks save five checkpoints: all written, then rank 1's part failing, rank
+    # 0's, rank 0's partial directory, rank 0's commit (meta.json). Every save issues the same
+    # collectives on both ranks, whichever rank's IO failed and wherever.
+    proc = run_ranks("test_checkpoint:save_and_record", [], nproc=2, cwd=tmp_path, env=job_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"trace_{r}.json").read_text()) for r in range(2)]
+    written = ranks[0]["2"]["collectives"]
+    for step, fault in FAULTS.items():
+        issued = [saves.get(str(step), {}).get("collectives") for saves in ranks]
+        assert issued == [written, written], (
+            f"checkpoint of step {step}, full disk at {fault}: rank 0 issued {issued[0]}, rank 1 {issued[1]}; "
+            f"with every write done: {written}"
+        )
+    # The portable state's (rank 0's BatchNorm buffers), then: agree on the writes, rank 0's verdict, the barrier.
+    assert "broadcast" in written and written[-3:] == ["all_gather_object", "broadcast_object_list", "barrier"]
+    returned = {r: {int(step): save["returned"] for step, save in saves.items()} for r, saves in enumerate(ranks)}
+    want = {2: "step_00000002", 4: None, 6: None, 8: None, 10: None}
+    assert returned == {0: want, 1: want}, returned
+    for step, fault in FAULTS.items():
+        if fault is not None:
+            assert f"warning: checkpoint of step {step} not written (rank {fault[0]}: " in proc.stderr
+    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]

@@ -50,7 +50,7 @@ import torch
 from sdp import dist
 from sdp.dist import local
 from sdp.errors import ConfigError
-from sdp.parallel import PortableState
+from sdp.parallel import PortableState, Strategy
 from sdp.paths import read_yaml_mapping
 from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_error, write_json_atomic
 
@@ -301,6 +301,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where a run's checkpoints go and what each one's meta.json records besides its manifest:
+    the run's config, `extra_meta` (the W&B run id, the resumes so far); the newest `keep`
+    complete ones are kept."""
+
+    run_dir: Path
+    config: dict
+    keep: int
+    extra_meta: dict | None = None
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What a checkpoint is read from, and where this rank runs: the strategy gathers the portable
+    state of the model and `optimizer`; `scheduler` is the lr schedule."""
+
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    world: dist.World
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Phase 1's outcome: where the checkpoint goes, rank 0's error making the partial directory
+    (the same on every rank: broadcast) and this rank's copy of the portable state."""
+
+    final: Path
+    tmp: Path
+    error: str | None
+    portable: PortableState
+
+
 def save_checkpoint(
     run_dir: Path,
     *,
@@ -315,62 +350,81 @@ def save_checkpoint(
     measured: dict | None = None,
     extra_meta: dict | None = None,
 ) -> Path | None:
+    """`write_checkpoint` with its arguments spelled out (the callers' keyword form)."""
+    target = CheckpointTarget(run_dir, config=config, keep=keep, extra_meta=extra_meta)
+    state = SavedState(strategy, optimizer, scheduler, world=world, device=device)
+    return write_checkpoint(target, state, step=step, measured=measured)
+
+
+def write_checkpoint(
+    target: CheckpointTarget, state: SavedState, *, step: int, measured: dict | None = None
+) -> Path | None:
     """Write this rank's part of the checkpoint of `step` (collective: every rank calls it);
     `measured` is this rank's memory/FLOP measurements so far, which a resumed run keeps.
 
     Returns the checkpoint's directory, or None when a rank could not write its part (a full
     disk, say): then the partial directory is removed, the checkpoints before it are kept,
-    rank 0 prints one warning naming the rank and the error, and training goes on."""
-    strategy.settle()  # what is saved must be current (an overlapped weight refresh is finished)
-    final = _step_dir(run_dir, step)
+    rank 0 prints one warning naming the rank and the error, and training goes on.
+
+    In phases, each run by every rank. Every collective is issued unconditionally, in the same
+    order on every rank (with NCCL, one rank issuing another sequence hangs the job): none sits
+    in a branch that depends on this rank's own IO, whose errors are kept as values instead.
+      1. prepare (`_prepare`): the strategy settles; rank 0 makes `step_N.partial/`, and its
+         error, if any, is broadcast; every rank gathers the portable state (collectives).
+      2. write (`_write_part`): this rank's file, unless phase 1 failed; file IO only, no
+         collective; an error is caught and returned, never raised.
+      3. agree (`_agree`): one all-gather of every rank's manifest entries and error.
+      4. commit or roll back: when no rank failed, rank 0 writes meta.json and renames the
+         directory (`_commit`, file IO only); rank 0's verdict, its commit's error included, is
+         broadcast; rank 0 removes the partial directory and warns (`_roll_back`) or removes
+         the checkpoints past `keep` (`_prune`); a barrier.
+    """
+    world = state.world
+    prepared = _prepare(target, state, step)  # 1. collectives, the same on every rank
+    entries, error = _write_part(prepared, state, step=step, measured=measured)  # 2. IO only
+    entries, errors = _agree(entries, error)  # 3. the one collective on the writes
+    if world.is_main and not errors:  # 4. rank 0 commits (IO only); its verdict goes to every rank
+        errors = _commit(prepared.tmp, prepared.final, _meta(target, world, step=step, files=entries))
+    errors = dist.broadcast_object(errors)
+    if world.is_main and errors:
+        _roll_back(prepared.tmp, target.run_dir, step=step, errors=errors, world=world)
+    elif world.is_main:
+        _prune(target)
+    dist.barrier()
+    return None if errors else prepared.final
+
+
+def _prepare(target: CheckpointTarget, state: SavedState, step: int) -> _Prepared:
+    """Phase 1, collective: rank 0 makes the partial directory (its error broadcast, so that every
+    rank knows whether to write), then every rank gathers the portable state."""
+    state.strategy.settle()  # what is saved must be current (an overlapped weight refresh is finished)
+    final = _step_dir(target.run_dir, step)
     tmp = final.with_name(final.name + ".partial")
     error = None
-    if world.is_main:
+    if state.world.is_main:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         except OSError as err:
             error = f"rank 0: {write_error(err, tmp)}"
     error = dist.broadcast_object(error)
-    entries: dict[str, dict] = {}
-    portable = strategy.portable_state(optimizer)  # collective: every rank, whatever happened above
-    if error is None:
-        try:
-            state = _rank_state(step, portable, scheduler, world=world, device=device, measured=measured)
-            entries[_file(tmp, world.rank).name] = _write(state, _file(tmp, world.rank))
-        except Exception as err:  # noqa: BLE001 - reported to every rank below, then training goes on
-            error = f"rank {world.rank}: {write_error(err, _file(tmp, world.rank))}"
-    parts = dist.gather_objects((entries, error))
-    errors = [e for _, e in parts if e]
-    if world.is_main and not errors:
-        files = {name: entry for part, _ in parts for name, entry in part.items()}
-        meta = {
-            "step": step,
-            "format": FORMAT,
-            "world_size": world.world_size,
-            "config": config,
-            "files": files,
-            **(extra_meta or {}),
-        }
-        errors += _commit(tmp, final, meta)
-    errors = dist.broadcast_object(errors)
-    if errors:
-        if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            kept = [c.path.name for c in complete_checkpoints(run_dir)]
-            dist.warn0(
-                world,
-                f"checkpoint of step {step} not written ({'; '.join(errors)}); "
-                f"kept {', '.join(kept) or 'no earlier checkpoint'} in {run_dir / CHECKPOINTS}; "
-                "training goes on and tries again at the next checkpoint",
-            )
-        dist.barrier()
-        return None
-    if world.is_main:
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
-    dist.barrier()
-    return final
+    portable = state.strategy.portable_state(state.optimizer)  # collective: every rank, whatever happened above
+    return _Prepared(final, tmp, error, portable)
+
+
+def _write_part(prepared: _Prepared, state: SavedState, *, step: int, measured) -> tuple[dict, str | None]:
+    """Phase 2, no collective: this rank's file and its manifest entry, or the error that kept it
+    from being written (caught: the ranks agree on it in phase 3)."""
+    if prepared.error is not None:
+        return {}, prepared.error
+    world, path = state.world, _file(prepared.tmp, state.world.rank)
+    try:
+        saved = _rank_state(
+            step, prepared.portable, state.scheduler, world=world, device=state.device, measured=measured
+        )
+        return {path.name: _write(saved, path)}, None
+    except Exception as err:  # noqa: BLE001 - reported to every rank in phase 3, then training goes on
+        return {}, f"rank {world.rank}: {write_error(err, path)}"
 
 
 def _share(names, world: dist.World) -> list[str]:
@@ -399,6 +453,26 @@ def _rank_state(step: int, state: PortableState, scheduler, *, world: dist.World
     return out
 
 
+def _agree(entries: dict, error: str | None) -> tuple[dict, list[str]]:
+    """Phase 3, the one collective that agrees on the writes: every rank's manifest entries (all
+    of them) and errors (the ones that happened)."""
+    parts = dist.gather_objects((entries, error))
+    return {name: entry for part, _ in parts for name, entry in part.items()}, [e for _, e in parts if e]
+
+
+def _meta(target: CheckpointTarget, world: dist.World, *, step: int, files: dict) -> dict:
+    """What rank 0 writes into meta.json: the step, the format, the world size, the config, the
+    manifest of every rank's file and the run's `extra_meta`."""
+    return {
+        "step": step,
+        "format": FORMAT,
+        "world_size": world.world_size,
+        "config": target.config,
+        "files": files,
+        **(target.extra_meta or {}),
+    }
+
+
 def _commit(tmp: Path, final: Path, meta: dict) -> list[str]:
     """Rank 0, once every rank's file is written: meta.json, then the rename that makes the
     checkpoint complete; returns what went wrong ([] when it is complete)."""
@@ -411,6 +485,25 @@ def _commit(tmp: Path, final: Path, meta: dict) -> list[str]:
     except OSError as err:
         return [f"rank 0: {write_error(err, tmp / 'meta.json')}"]
     return []
+
+
+def _roll_back(tmp: Path, run_dir: Path, *, step: int, errors: list[str], world: dist.World) -> None:
+    """Rank 0, when the checkpoint was not written (a rank's part, or rank 0's commit, failed):
+    the partial directory is removed and one warning names what failed and what is kept."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    kept = [c.path.name for c in complete_checkpoints(run_dir)]
+    dist.warn0(
+        world,
+        f"checkpoint of step {step} not written ({'; '.join(errors)}); "
+        f"kept {', '.join(kept) or 'no earlier checkpoint'} in {run_dir / CHECKPOINTS}; "
+        "training goes on and tries again at the next checkpoint",
+    )
+
+
+def _prune(target: CheckpointTarget) -> None:
+    """Rank 0, once a checkpoint is complete: the complete ones before the newest `keep` are removed."""
+    for old in complete_checkpoints(target.run_dir)[: -target.keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
 
 
 class Checkpointer:
