@@ -172,7 +172,7 @@ def model_check(
     place(cluster, world_size=nproc, nodes=1)
     predicted = {}
     for label, overrides in runs[:-1]:
-        _, cfg = load_config(base + overrides, world_size=nproc, offline=True, check_data=False)
+        cfg = load_config(base + overrides, world_size=nproc, offline=True, check_data=False)
         times = step_times(estimate(cfg, world_size=nproc, rank=busiest_rank(cfg, world_size=nproc)), cluster)
         predicted[label] = times["step_serial_s" if label.endswith("serial") else "step_overlapped_s"]
     lines = ["| run | measured step vs DDP | modelled | error |", "|---|---|---|---|"]

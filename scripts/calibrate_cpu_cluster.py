@@ -99,7 +99,7 @@ def fit_links(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 def efficiency(overrides: list[str], batch: dict, peak: float) -> float:
     """Counted FLOPs of one forward and backward over their time, against `peak`."""
     torch.manual_seed(0)
-    model = build_model(typed_config(overrides)[1].model)
+    model = build_model(typed_config(overrides).model)
 
     def step():
         model.zero_grad(set_to_none=True)

@@ -39,7 +39,7 @@ def measure(model: str, *, world_size: int, coverage: float) -> list[dict]:
     rows = []
     for label, overrides in runs(coverage):
         argv = [f"model={model}", *BASE, *overrides]
-        _, cfg = load_config(argv, world_size=world_size, offline=True, check_data=False)
+        cfg = load_config(argv, world_size=world_size, offline=True, check_data=False)
         est = estimate(cfg, world_size=world_size, rank=busiest_rank(cfg, world_size=world_size))
         row = {"model": model, "run": label, "groups": est["memory"]["comm_groups"], "clusters": {}}
         for name, nodes in CLUSTERS:

@@ -170,7 +170,7 @@ def main() -> int:
         row = {"model": model, "variant": variant, "world_size": args.world_size}
         try:
             overrides = [f"model={model}", *BASE, *VARIANTS[variant], *args.extra]
-            _, cfg = load_config(overrides, world_size=args.world_size, offline=True, check_data=False)
+            cfg = load_config(overrides, world_size=args.world_size, offline=True, check_data=False)
             row["rank"] = busiest_rank(cfg, world_size=args.world_size)
             row["measured"] = measure(
                 cfg, world_size=args.world_size, rank=row["rank"], device=device, steps=args.steps

@@ -54,7 +54,7 @@ def overhead(model: str, variant: list[str], *, overlap: bool, steps: int, devic
     overrides += [f"parallelism.overlap_comm={str(overlap).lower()}", "trainer.on_nonfinite=off"]
     if device.type == "cuda":
         overrides.append("parallelism.mixed_precision=bf16")
-    _, cfg = load_config(overrides, world_size=8, offline=True, check_data=False)
+    cfg = load_config(overrides, world_size=8, offline=True, check_data=False)
     micro = micro_batch_size(cfg.trainer, world_size=8)
     with dist.fake_process_group(0, 8):
         world = dist.World(rank=0, local_rank=0, world_size=8)

@@ -210,7 +210,7 @@ def run(args) -> list[dict]:
         overrides = [f"model={model}", *base, *VARIANTS[variant], f"parallelism.compile={str(compiled).lower()}"]
         overrides.append(f"model.loss={loss}")
         try:
-            _, cfg = load_config(overrides, world_size=args.world_size, offline=True, check_data=False)
+            cfg = load_config(overrides, world_size=args.world_size, offline=True, check_data=False)
             cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, on_nonfinite="stop"))
             rank = busiest_rank(cfg, world_size=args.world_size)
             row["measured"] = measure(cfg, world_size=args.world_size, rank=rank, device=device, steps=args.steps)

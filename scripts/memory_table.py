@@ -84,7 +84,7 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
                 overrides += [f"masking.granularity={gran}", f"masking.coverage={coverage}"]
             row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size}
             try:
-                _, cfg = load_config(overrides, world_size=world_size, offline=True, check_data=False)
+                cfg = load_config(overrides, world_size=world_size, offline=True, check_data=False)
                 rank = busiest_rank(cfg, world_size=world_size)
                 row.update(est=estimate(cfg, world_size=world_size, rank=rank))
             except (ConfigError, EstimateError) as err:
@@ -103,7 +103,7 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
                 *extra,
             ]
             try:
-                _, cfg = load_config(overrides, world_size=world_size * f, offline=True, check_data=False)
+                cfg = load_config(overrides, world_size=world_size * f, offline=True, check_data=False)
                 row.update(
                     est=estimate(cfg, world_size=world_size * f, rank=busiest_rank(cfg, world_size=world_size * f))
                 )
@@ -115,7 +115,7 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             masking = ["masking=none"] if coverage == 1.0 else ["masking=forward", f"masking.coverage={coverage}"]
             row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size}
             try:
-                _, cfg = load_config(base + masking + extra, world_size=world_size, offline=True, check_data=False)
+                cfg = load_config(base + masking + extra, world_size=world_size, offline=True, check_data=False)
                 row.update(est=estimate(cfg, world_size=world_size, rank=busiest_rank(cfg, world_size=world_size)))
             except (ConfigError, EstimateError) as err:
                 row.update(error=str(err))

@@ -88,7 +88,7 @@ def _tiny_model_cfg(family: str):
     from sdp.run.config import typed_config
 
     model, dataset = TINY_MODELS[family]
-    return typed_config([f"model={model}", f"dataset={dataset}"])[1].model
+    return typed_config([f"model={model}", f"dataset={dataset}"]).model
 
 
 def run_harness(scenario: str, nproc: int, out: Path) -> dict:
@@ -102,7 +102,7 @@ def estimator_config(overrides: list[str], world_size: int = 2):
     """A typed, validated run config as the memory estimator loads it (no data checks)."""
     from sdp.run.config import load_config
 
-    return load_config(overrides, world_size=world_size, offline=True, check_data=False)[1]
+    return load_config(overrides, world_size=world_size, offline=True, check_data=False)
 
 
 def load_model_pt(run_dir: Path, overrides: list[str]):
@@ -112,7 +112,7 @@ def load_model_pt(run_dir: Path, overrides: list[str]):
     from sdp.models import build_model
     from sdp.run.config import typed_config
 
-    model = build_model(typed_config(overrides)[1].model)
+    model = build_model(typed_config(overrides).model)
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True), strict=True)
     return model.eval()
 

@@ -85,7 +85,7 @@ def overrides(
 
 @functools.cache  # bytes, not the config: every caller unpickles a copy of its own to build from
 def _composed(line: tuple[str, ...], world_size: int) -> bytes:
-    return pickle.dumps(load_config(list(line), world_size=world_size, offline=True, check_data=False)[1])
+    return pickle.dumps(load_config(list(line), world_size=world_size, offline=True, check_data=False))
 
 
 def run_config(line: list[str]):

@@ -105,11 +105,9 @@ def test_stochastic_depth_drops_a_whole_residual_branch_per_sample(family):
 
 def test_baseline_configs_and_their_errors():
     base = ["model=llama_tiny", "dataset=synthetic_text"]
-    _, cfg = load_config([*base, "variant=dropout", "masking.coverage=0.25"], world_size=8, offline=True)
+    cfg = load_config([*base, "variant=dropout", "masking.coverage=0.25"], world_size=8, offline=True)
     assert (cfg.masking.name, cfg.masking.coverage) == ("dropout", 0.25)
-    _, cfg = load_config(
-        [*base, "variant=stochastic_depth", "trainer.protocol=flop_matched"], world_size=8, offline=True
-    )
+    cfg = load_config([*base, "variant=stochastic_depth", "trainer.protocol=flop_matched"], world_size=8, offline=True)
     assert cfg.masking.name == "stochastic_depth" and cfg.trainer.max_steps == 1000  # DDP compute: not rescaled
     with pytest.raises(ConfigError, match="masking=dropout has no mask to resample"):
         load_config([*base, "masking=dropout", "masking.resample_every=5"], world_size=8, offline=True)

@@ -21,7 +21,7 @@ TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size
 @pytest.fixture(scope="module")
 def llama_1b():
     with torch.device("meta"):
-        return build_model(typed_config(["model=llama_1b", "dataset=synthetic_text"])[1].model)
+        return build_model(typed_config(["model=llama_1b", "dataset=synthetic_text"]).model)
 
 
 @pytest.mark.parametrize(

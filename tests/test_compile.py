@@ -141,7 +141,7 @@ def test_a_mask_resample_compiles_no_new_graph(monkeypatch, masking):
         "masking.resample_every=1",
         "parallelism.compile=true",
     ]
-    _, cfg = load_config(overrides, world_size=2, offline=True, check_data=False)
+    cfg = load_config(overrides, world_size=2, offline=True, check_data=False)
     trainer = dataclasses.replace(cfg.trainer, on_nonfinite="off")
     micro = micro_batch_size(trainer, world_size=2)
     counts = []

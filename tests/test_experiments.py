@@ -30,32 +30,30 @@ def test_the_paper_tables_have_their_experiments():
 
 @pytest.mark.parametrize("experiment", PAPER)
 def test_every_experiment_composes_with_every_variant_on_8_workers(experiment):
-    _, ddp = load_config([f"experiment={experiment}", "variant=ddp"], world_size=8, offline=True, check_data=False)
+    ddp = load_config([f"experiment={experiment}", "variant=ddp"], world_size=8, offline=True, check_data=False)
     assert ddp.masking.name == "none" and ddp.trainer.global_batch_size % 8 == 0
     for variant in SDP_VARIANTS:
         overrides = [f"experiment={experiment}", f"variant={variant}", "masking.coverage=0.5"]
-        _, cfg = load_config(overrides, world_size=8, offline=True, check_data=False)
+        cfg = load_config(overrides, world_size=8, offline=True, check_data=False)
         mode, gran = variant.split("_sdp_")[1], "neuron" if variant.startswith("n_") else "block"
         assert (cfg.masking.name, cfg.masking.granularity, cfg.masking.coverage) == (mode, gran, 0.5)
         assert cfg.model == ddp.model and cfg.optim == ddp.optim and cfg.trainer == ddp.trainer
         # The paper's protocol: SDP at coverage C takes 1/C as many steps (and warmup) as DDP.
-        _, matched = load_config(
+        matched = load_config(
             [*overrides, "trainer.protocol=flop_matched"], world_size=8, offline=True, check_data=False
         )
         assert matched.trainer.max_steps == 2 * ddp.trainer.max_steps
         assert matched.optim.warmup_steps == 2 * ddp.optim.warmup_steps
     for baseline in BASELINES:  # DDP with SDP's units dropped at keep rate C: DDP's steps
         overrides = [f"experiment={experiment}", f"variant={baseline}", "masking.coverage=0.5"]
-        _, cfg = load_config(
-            [*overrides, "trainer.protocol=flop_matched"], world_size=8, offline=True, check_data=False
-        )
+        cfg = load_config([*overrides, "trainer.protocol=flop_matched"], world_size=8, offline=True, check_data=False)
         assert cfg.masking.name == baseline and cfg.trainer.max_steps == ddp.trainer.max_steps
         assert cfg.optim == ddp.optim
 
 
 def test_flop_matching_leaves_ddp_alone_and_bad_protocols_are_named():
     base = ["experiment=llama_134m_fineweb", "trainer.protocol=flop_matched"]
-    _, ddp = load_config([*base, "variant=ddp"], world_size=8, offline=True, check_data=False)
+    ddp = load_config([*base, "variant=ddp"], world_size=8, offline=True, check_data=False)
     assert ddp.trainer.max_steps == 20000
     with pytest.raises(ConfigError) as info:
         load_config([*base, "trainer.protocol=flops"], world_size=8, offline=True, check_data=False)
@@ -66,7 +64,7 @@ def test_flop_matching_leaves_ddp_alone_and_bad_protocols_are_named():
 @pytest.mark.dist
 @pytest.mark.parametrize("experiment", group_options("experiment"))
 def test_every_experiment_runs_two_steps_on_tiny_overrides(tmp_path, experiment):
-    _, cfg = load_config([f"experiment={experiment}"], world_size=2, offline=True, check_data=False)
+    cfg = load_config([f"experiment={experiment}"], world_size=2, offline=True, check_data=False)
     family = cfg.model.family
     variant = "variant=b_sdp_forward" if family == "swin" else "variant=n_sdp_forward"  # Swin-tiny: 2 heads
     overrides = [f"experiment={experiment}", *TINY[family], variant, "masking.coverage=0.5"]

@@ -25,8 +25,7 @@ from sdp.data.api import DATASETS
 from sdp.data.image_folder import eval_transform
 from sdp.data.tokenizer import train_bpe, wrap_tokenizer
 from sdp.models import build_model
-from sdp.redact import redact_yaml
-from sdp.run.config import to_typed, typed_config
+from sdp.run.config import record_yaml, to_typed, typed_config
 from sdp.rundir.hf import export_model, hf_tokenizer, image_preprocessing, special_tokens
 
 DOC = Path(__file__).parents[1] / "docs" / "export.md"
@@ -36,7 +35,7 @@ CODE = "".join(f'def f{j}(x):\n    return x * {j}  # "quoted"!\n\n' for j in ran
 
 def fake_run(tmp_path, overrides: list[str]):
     """A run dir as a finished run leaves it: config.yaml and a model.pt of trained-looking weights."""
-    raw, cfg = typed_config(overrides)
+    cfg = typed_config(overrides)
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     with torch.no_grad():
@@ -44,7 +43,7 @@ def fake_run(tmp_path, overrides: list[str]):
             p.add_(0.01 * torch.randn_like(p))  # not the initialisation: every weight must arrive
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(redact_yaml(raw))
+    (run_dir / "config.yaml").write_text(record_yaml(cfg))
     torch.save(model.state_dict(), run_dir / "model.pt")
     return run_dir, model
 

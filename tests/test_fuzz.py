@@ -47,7 +47,7 @@ def keys_of(group: str, option: str | None) -> tuple[str, ...]:
     partners = ([], ["model=llama_tiny", "dataset=synthetic_text"], ["model=resnet_tiny", "dataset=synthetic_image"])
     for partner in partners:
         try:  # a text dataset needs a text model, and the other way round
-            _, cfg = typed_config([*(o for o in partner if not o.startswith(group + "=")), *own])
+            cfg = typed_config([*(o for o in partner if not o.startswith(group + "=")), *own])
             break
         except ConfigError:
             continue

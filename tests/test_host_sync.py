@@ -39,9 +39,7 @@ class _HostReads(TorchDispatchMode):
 def _host_reads(overrides: list[str], *, on_device: bool = True) -> int:
     """Host reads in steps 2-3 of rank 1 of 2 (played in this process), fused AdamW, clipping and
     the NaN/Inf guard on: on the device, or (`on_device=False`) the host's check."""
-    _, cfg = load_config(
-        [*BASE, *overrides, "optim.implementation=fused"], world_size=2, offline=True, check_data=False
-    )
+    cfg = load_config([*BASE, *overrides, "optim.implementation=fused"], world_size=2, offline=True, check_data=False)
     micro = micro_batch_size(cfg.trainer, world_size=2)
     with dist.fake_process_group(1, 2):
         with skip_ddp_shape_check():

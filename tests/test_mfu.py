@@ -28,7 +28,7 @@ def _one_rank(overrides: list[str], *, rank: int = 1, world_size: int = 2) -> tu
     FLOPs counted in its second step, the trainer's MFU entries for it, and the FLOPs a step
     has that torch's counter leaves out: the norms' (elementwise, but parameters the formula
     counts) and, on CPU, attention's (SDPA's CPU kernel has no FLOP formula)."""
-    _, cfg = load_config([*BASE, *overrides], world_size=world_size, offline=True, check_data=False)
+    cfg = load_config([*BASE, *overrides], world_size=world_size, offline=True, check_data=False)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, on_nonfinite="off"))
     micro = micro_batch_size(cfg.trainer, world_size=world_size)
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
@@ -71,7 +71,7 @@ def test_ddp_model_flops_are_torchtitans_formula():
     from sdp.models import build_model
     from sdp.run.config import typed_config
 
-    model = build_model(typed_config([*BASE])[1].model)
+    model = build_model(typed_config([*BASE]).model)
     non_embedding = sum(p.numel() for p in model.parameters()) - 4096 * 128
     assert entries["mfu_flops_per_step"] == (6 * non_embedding + 12 * 4 * 4 * 32 * 32) * 4 * 32
 

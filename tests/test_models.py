@@ -19,14 +19,14 @@ STATED = [
 
 @pytest.mark.parametrize("model,dataset,expected", STATED)
 def test_parameter_counts_match_stated_sizes(model, dataset, expected):
-    _, cfg = typed_config([f"model={model}", f"dataset={dataset}"])
+    cfg = typed_config([f"model={model}", f"dataset={dataset}"])
     with torch.device("meta"):
         n = count_params(build_model(cfg.model))
     assert n == expected
 
 
 def test_llama_shapes_follow_config():
-    _, cfg = typed_config(["model=llama_tiny", "dataset=synthetic_text"])
+    cfg = typed_config(["model=llama_tiny", "dataset=synthetic_text"])
     with torch.device("meta"):
         model = build_model(cfg.model)
     layer = model.model.layers[0]
@@ -37,7 +37,7 @@ def test_llama_shapes_follow_config():
 
 
 def test_cifar_resnet_keeps_resolution():
-    _, cfg = typed_config(["model=resnet18", "dataset=cifar10"])
+    cfg = typed_config(["model=resnet18", "dataset=cifar10"])
     model = build_model(cfg.model)
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
     assert isinstance(model.maxpool, torch.nn.Identity)
@@ -46,7 +46,7 @@ def test_cifar_resnet_keeps_resolution():
 
 
 def test_swin_runs_at_32px():
-    _, cfg = typed_config(["model=swin_tiny", "dataset=cifar100"])
+    cfg = typed_config(["model=swin_tiny", "dataset=cifar100"])
     model = build_model(cfg.model)
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
 
@@ -54,7 +54,7 @@ def test_swin_runs_at_32px():
 def test_a_shape_the_library_refuses_is_one_config_error_naming_the_model(monkeypatch):
     import sdp.models
 
-    cfg = typed_config(["model=swin_tiny", "dataset=synthetic_image"])[1].model
+    cfg = typed_config(["model=swin_tiny", "dataset=synthetic_image"]).model
     assert build_on_meta(cfg).patch_embed.proj.weight.is_meta
 
     class UpstreamError(ValueError):

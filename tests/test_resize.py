@@ -43,7 +43,7 @@ def assert_bitwise(held: dict, run_dir: Path, step: int) -> None:
     for name, t in saved.model.items():
         assert torch.equal(held["model"][name], t), name
     assert held["optim"].keys() == saved.optim.keys() == {"exp_avg", "exp_avg_sq"}
-    params = {n for n, _ in build_on_meta(load_config(RUN, world_size=1, offline=True)[1].model).named_parameters()}
+    params = {n for n, _ in build_on_meta(load_config(RUN, world_size=1, offline=True).model).named_parameters()}
     for key, per_name in saved.optim.items():
         assert per_name.keys() == held["optim"][key].keys() == params  # every parameter's, every unit's
         for name, t in per_name.items():

@@ -99,18 +99,17 @@ def test_first_difference_and_metrics_truncation(tmp_path):
 
 def test_resume_may_change_logging_but_not_training(tmp_path):
     from sdp.run.config import load_config
-    from sdp.run.runner import resume_config
 
-    raw, _ = load_config([*TINY, "logger=none"], world_size=2, offline=True, check_data=False)
-    other, _ = load_config(
+    raw = load_config([*TINY, "logger=none"], world_size=2, offline=True, check_data=False).record
+    other = load_config(
         [*TINY, "logger=wandb", "trainer.progress=false", "trainer.stop_at_step=2"],
         world_size=2,
         offline=True,
         check_data=False,
-    )
-    assert resume_view(resume_config(raw)) == resume_view(resume_config(other))
-    longer, _ = load_config([*TINY, "trainer.max_steps=7"], world_size=2, offline=True, check_data=False)
-    diff = first_difference(resume_view(resume_config(raw)), resume_view(resume_config(longer)))
+    ).record
+    assert resume_view(raw) == resume_view(other)
+    longer = load_config([*TINY, "trainer.max_steps=7"], world_size=2, offline=True, check_data=False).record
+    diff = first_difference(resume_view(raw), resume_view(longer))
     assert diff == "trainer.max_steps: 1000 -> 7"
 
 
@@ -125,7 +124,7 @@ def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
     # Start positions inside the first epoch and past its end (the epoch wraps).
     from sdp.run.config import typed_config
 
-    cfg = typed_config(overrides)[1].dataset
+    cfg = typed_config(overrides).dataset
 
     def stream(start: int):
         return build_data(cfg, rank=1, world_size=2, batch_size=8, eval_batch_size=8, seed=3, start_batch=start).train
@@ -172,7 +171,7 @@ def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tmp_path / "link").symlink_to(first)
     for spelling in (f"{first}/", "first", "./first/", "link", f"{tmp_path}/link/"):
-        _, _, resume = preflight([*TINY, *COMMON, f"run_dir={spelling}"], World(0, 0, 1))
+        _, resume = preflight([*TINY, *COMMON, f"run_dir={spelling}"], World(0, 0, 1))
         assert [c.step for c in resume.candidates] == [3], spelling
     first.rename(tmp_path / "moved")
     (tmp_path / "link").unlink()

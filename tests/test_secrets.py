@@ -12,8 +12,8 @@ from test_sweep import BASE
 from sdp.errors import ConfigError
 from sdp.launching.sweep import run_sweep
 from sdp.metrics.logger import LoggerConfig, RunLogger
-from sdp.redact import REDACTED, is_secret_name, redact, redact_text, redact_yaml, secret_values
-from sdp.run.config import GROUPS, compose_config, group_options, load_config, typed_config
+from sdp.redact import REDACTED, is_secret_name, redact, redact_text, secret_values
+from sdp.run.config import GROUPS, compose_config, group_options, load_config, record_yaml, typed_config
 from sdp.rundir import Summary, write_summary
 
 # Distinctive fakes: 40 hex digits like a W&B key, `hf_` and 34 letters like a Hugging Face token.
@@ -106,17 +106,17 @@ def test_redact_text_hides_env_values_assignments_and_hf_tokens():
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
 def test_every_repo_config_is_left_unchanged(group, option):
-    raw, _ = typed_config(_overrides_for(group, option))
-    config = OmegaConf.to_container(raw, resolve=True)
+    config = OmegaConf.to_container(compose_config(_overrides_for(group, option)), resolve=True)
     assert redact(config, set()) == config
-    assert redact_yaml(raw) == OmegaConf.to_yaml(raw)
+    assert REDACTED not in record_yaml(typed_config(_overrides_for(group, option)))
 
 
-def test_redact_yaml_resolves_env_interpolations_first(secret_env):
-    raw = compose_config(["+dataset.hf_token=${oc.env:HF_TOKEN}", "logger.project=${oc.env:WANDB_API_KEY}"])
-    text = redact_yaml(raw)
+def test_the_record_resolves_env_interpolations_before_redacting(secret_env):
+    """config.yaml (`record_yaml`) holds the resolved config: an `${oc.env:...}` of a secret is
+    resolved, then redacted, never written."""
+    text = record_yaml(typed_config(["logger.group=${oc.env:HF_TOKEN}", "logger.project=${oc.env:WANDB_API_KEY}"]))
     assert HF_TOKEN not in text and WANDB_KEY not in text
-    assert f"hf_token: {REDACTED}" in text and f"project: {REDACTED}" in text
+    assert f"group: {REDACTED}" in text and f"project: {REDACTED}" in text
 
 
 def test_config_errors_do_not_echo_secrets(secret_env):
@@ -168,7 +168,7 @@ def test_no_secret_reaches_any_file_of_the_run_dir(tmp_path, monkeypatch, secret
         "logger": {"api_key": WANDB_KEY, "group": WANDB_KEY, "tags": [f"key={WANDB_KEY}"]},
         "note": f"started with WANDB_API_KEY={WANDB_KEY} and {HF_TOKEN}",
     }
-    (tmp_path / "config.yaml").write_text(redact_yaml(OmegaConf.create(config)))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(redact(config)))
     try:
         logger = RunLogger(
             LoggerConfig(mode="offline", project="sdp-test"),

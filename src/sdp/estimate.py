@@ -101,7 +101,7 @@ def cluster_report(args: EstimateArgs, cfg: RunConfig, est: dict) -> tuple[str, 
     """The run's step on args.cluster next to DDP's (traced as well): its text and its rows."""
     runs = [(run_label(cfg), est)]
     if is_sdp(cfg.masking.name) or cfg.parallelism.name != "ddp":
-        _, ddp = load_config(ddp_overrides(args.overrides), world_size=args.world_size, offline=True, check_data=False)
+        ddp = load_config(ddp_overrides(args.overrides), world_size=args.world_size, offline=True, check_data=False)
         runs.insert(0, ("DDP", estimate(ddp, world_size=args.world_size, rank=0)))
     rows = [{"run": label, **step_times(e, args.cluster)} for label, e in runs]
     return format_step_times(rows, args.cluster, world_size=args.world_size), rows
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
-        _, cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
+        cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
         if args.out:  # a place that cannot take the result is refused before the trace, not after
             check_output_file("out", args.out)
     except ConfigError as err:

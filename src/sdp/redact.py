@@ -94,11 +94,3 @@ def _redact(obj: object, secrets: set[str], *, hide: bool) -> object:
     if isinstance(obj, str):
         return REDACTED if hide and obj else redact_text(obj, secrets)
     return obj
-
-
-def redact_yaml(raw) -> str:
-    """The YAML of a run's config (a `DictConfig`), interpolations such as `${oc.env:HF_TOKEN}`
-    resolved first, with secrets redacted: what `config.yaml` and checkpoints may store."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(redact(OmegaConf.to_container(raw, resolve=True)))

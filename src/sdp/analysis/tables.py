@@ -74,7 +74,7 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 
 # The top-level keys of a run's config.yaml.
-RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)}
+RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"record"}  # record: the file itself
 # Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
 NOT_A_SETTING = ("seed", "name", "run_dir", "output_root", "logger")
 NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step")

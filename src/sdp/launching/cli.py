@@ -85,8 +85,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 def show_config(overrides: list[str], kind: str) -> str:
     """The composed config as YAML, resolved and typed as the run would see it (secrets
     redacted); `hydra` / `all` add Hydra's own node, unresolved (sdp reads only its searchpath)."""
-    raw, _ = typed_config(overrides)
-    job = redact(OmegaConf.to_container(raw, resolve=True))
+    job = typed_config(overrides).record
     if kind == "job":
         return OmegaConf.to_yaml(job)
     try:
@@ -102,7 +101,7 @@ def help_text(overrides: list[str]) -> str:
     """--help: usage, every config group with its options (the user's config dirs included),
     the most-used keys with their defaults, the flags, and where to read more."""
     dirs = search_dirs(overrides)
-    raw, _ = typed_config(overrides)
+    cfg = typed_config(overrides)
     lines = [
         "usage: torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]",
         "       python -m sdp.train -m key=a,b ...   (a sweep; sweep.KEY=VALUE options: docs/sweeps.md)",
@@ -113,7 +112,7 @@ def help_text(overrides: list[str]) -> str:
     lines += [f"  {g:<{width}}  {', '.join(group_options(g, dirs))}" for g in GROUPS]
     lines += ["", "Keys most runs set (key=value; the value these overrides give; any key of --cfg job works):"]
     width = max(len(k) for k in COMMON_KEYS)
-    lines += [f"  {k:<{width}}  {OmegaConf.select(raw, k)}" for k in COMMON_KEYS]
+    lines += [f"  {k:<{width}}  {OmegaConf.select(OmegaConf.create(cfg.record), k)}" for k in COMMON_KEYS]
     lines += [
         "",
         f"Flags: {FLAGS}",

@@ -168,12 +168,12 @@ def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0, name: 
         run_dir = job_dir(root, i, job, swept)
         status, error = "planned", None
         try:
-            raw, cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
+            cfg = load_config([*job, f"run_dir={run_dir}"], world_size=nproc, offline=dist.hub_offline())
             if run_status(run_dir) == "completed":
-                check_completed(run_dir, runner.resume_config(raw))
+                check_completed(run_dir, cfg.record)
                 status = "skipped"
             else:
-                runner.check_run_dir(cfg, raw)
+                runner.check_run_dir(cfg)
         except ConfigError as err:
             status, error = "invalid", str(err)
         out.append(Job(i, job, str(run_dir), status, error))

@@ -1,9 +1,10 @@
 """Compose the Hydra config, convert it once to typed dataclasses, validate it.
 
-Hydra stays here and in `train.py`; the rest of the package receives the
-typed `RunConfig` pieces. Every failure becomes a `ConfigError` whose one-line
-message names the key, the value and what is allowed, before any process
-group starts.
+Hydra stays here and on the command line (`sdp.launching.cli`): composition ends in one
+object, the typed `RunConfig`, which also carries the record of the composed config
+(`RunConfig.record`: what config.yaml holds, W&B shows and a resume compares). The rest of
+the package receives that object. Every failure becomes a `ConfigError` whose one-line
+message names the key, the value and what is allowed, before any process group starts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sdp.data import DataConfig, data_vocab_size, validate_data
@@ -29,10 +30,11 @@ from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, validate_logger
 from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, build_on_meta, validate_model
 from sdp.optim import OptimConfig, validate_optim
-from sdp.parallel import ParallelConfig, sdp_workers, validate_parallel
+from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.paths import CONF_DIR
+from sdp.redact import redact
 from sdp.run.trainer import TrainerConfig, validate_trainer
-from sdp.subnet import MaskingConfig, is_sdp, validate_masking
+from sdp.subnet import MaskingConfig, is_sdp, sdp_workers, validate_masking, validate_sdp_x_fsdp
 from sdp.subnet.strategy import validate_plan
 
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
@@ -51,6 +53,9 @@ class RunConfig:
     name: str | None = None
     run_dir: str | None = None
     output_root: str = "outputs"
+    # The composed config, resolved, secrets redacted and trainer.protocol applied: what
+    # config.yaml holds, W&B shows and a resume compares with a checkpoint (`typed_config` fills it).
+    record: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 SEARCHPATH = "hydra.searchpath"
@@ -274,11 +279,8 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         raise ConfigError("seed", cfg.seed, "must be >= 0")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
-    validate_parallel(
-        cfg.parallelism,
-        masking=cfg.masking.name,
-        world_size=world_size,
-    )
+    validate_parallel(cfg.parallelism)
+    validate_sdp_x_fsdp(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
     if is_sdp(cfg.masking.name):  # builds the model on the meta device, as below
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
         validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=cfg.trainer.max_steps)
@@ -307,7 +309,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         )
 
 
-def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
+def typed_config(overrides: list[str]) -> RunConfig:
     """Compose and type a run's config, without the checks that look at data or the world."""
     dirs = search_dirs(overrides)
     raw = compose_config(overrides)
@@ -320,28 +322,31 @@ def typed_config(overrides: list[str]) -> tuple[DictConfig, RunConfig]:
             str(getattr(err, "full_key", "?")), None, f"cannot be resolved: {str(err).splitlines()[0]}"
         ) from None
     typed = to_typed(raw)
-    apply_protocol(raw, typed)
-    return raw, typed
+    typed.record = redact(OmegaConf.to_container(raw, resolve=True))
+    apply_protocol(typed)
+    return typed
 
 
-def apply_protocol(raw: DictConfig, cfg: RunConfig) -> None:
+def apply_protocol(cfg: RunConfig) -> None:
     """trainer.protocol=flop_matched: an SDP run takes 1/C times the optimizer steps (and lr
     warmup) of the DDP budget in trainer.max_steps, so its total compute matches DDP's, as in
-    the paper; written into both configs, so config.yaml holds the steps the run takes."""
+    the paper; written into the record too, so config.yaml holds the steps the run takes."""
     coverage = cfg.masking.coverage
     if cfg.trainer.protocol != "flop_matched" or not is_sdp(cfg.masking.name) or not 0 < coverage <= 1:
         return
     cfg.trainer.max_steps = round(cfg.trainer.max_steps / coverage)
     cfg.optim.warmup_steps = round(cfg.optim.warmup_steps / coverage)
-    with open_dict(raw):
-        raw.trainer.max_steps = cfg.trainer.max_steps
-        raw.optim.warmup_steps = cfg.optim.warmup_steps
+    cfg.record["trainer"]["max_steps"] = cfg.trainer.max_steps
+    cfg.record["optim"]["warmup_steps"] = cfg.optim.warmup_steps
 
 
-def load_config(
-    overrides: list[str], *, world_size: int, offline: bool, check_data: bool = True
-) -> tuple[DictConfig, RunConfig]:
+def record_yaml(cfg: RunConfig) -> str:
+    """config.yaml: the record as YAML."""
+    return OmegaConf.to_yaml(cfg.record)
+
+
+def load_config(overrides: list[str], *, world_size: int, offline: bool, check_data: bool = True) -> RunConfig:
     """Compose, type and validate a run's config; raises ConfigError on any bad input."""
-    raw, typed = typed_config(overrides)
+    typed = typed_config(overrides)
     validate(typed, world_size=world_size, offline=offline, check_data=check_data)
-    return raw, typed
+    return typed

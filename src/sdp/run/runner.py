@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from sdp import dist, rundir
 from sdp.data import DataBundle, build_data, prepare_data
@@ -22,7 +21,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
-from sdp.redact import redact, redact_text, redact_yaml
+from sdp.redact import redact_text
 from sdp.run.build import build_strategy
 from sdp.run.checkpoint import (
     Checkpoint,
@@ -34,7 +33,7 @@ from sdp.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sdp.run.config import RunConfig, load_config, typed_config, validate
+from sdp.run.config import RunConfig, load_config, record_yaml, typed_config, validate
 from sdp.run.measure import Meter
 from sdp.run.nonfinite import NonFinitePolicy
 from sdp.run.trainer import Evaluation, micro_batch_size, train
@@ -59,14 +58,7 @@ def pivot_keys(cfg: RunConfig) -> dict:
     return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 
 
-def resume_config(raw: DictConfig) -> dict:
-    """The resolved config as a resume compares it with the checkpoint's (secrets redacted:
-    it is written into every checkpoint's meta.json); `sdp.run.checkpoint.resume_view` leaves out
-    what a resume may change."""
-    return redact(OmegaConf.to_container(raw, resolve=True))
-
-
-def check_run_dir(cfg: RunConfig, raw: DictConfig) -> Resume | None:
+def check_run_dir(cfg: RunConfig) -> Resume | None:
     """Before any process group: the checkpoints to resume from when run_dir holds some (and
     the config matches), None for a new run; a completed run, or one that cannot be resumed,
     is refused with one error and nothing written so far is touched.
@@ -82,7 +74,7 @@ def check_run_dir(cfg: RunConfig, raw: DictConfig) -> Resume | None:
         if not cfg.run_dir:
             return None
     run_dir = Path(cfg.run_dir)
-    return check_resume(run_dir, resume_config(raw), restarted=rundir.restarted_job(run_dir))
+    return check_resume(run_dir, cfg.record, restarted=rundir.restarted_job(run_dir))
 
 
 class StopSignals:
@@ -153,7 +145,7 @@ def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -
     if not any(o.lstrip("+~").partition("=")[0] == "run_dir" for o in overrides):
         return None  # no run dir to resume: nothing to compose again
     try:
-        _, cfg = typed_config(overrides)
+        cfg = typed_config(overrides)
     except ConfigError:
         return None
     found = complete_checkpoints(Path(cfg.run_dir)) if cfg.run_dir and Path(cfg.run_dir).is_dir() else []
@@ -198,7 +190,7 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
     return ckpt
 
 
-def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> Summary:
+def run(cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> Summary:
     """Train one configured run on this rank, from the start or from the newest intact
     checkpoint of `resume`; rank 0 writes the run dir, and its summary.json however the run ends."""
     device = dist.select_device(cfg.trainer.device, world, share=cfg.parallelism.backend == "gloo")
@@ -209,7 +201,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
     try:
         ckpt = pick_checkpoint(resume, world=world)
         start_step = ckpt.step if ckpt else 0
-        run_dir = _open_run_dir(cfg, raw, world=world, resumed=resume is not None, start_step=start_step)
+        run_dir = _open_run_dir(cfg, world=world, resumed=resume is not None, start_step=start_step)
         summary.run_dir = str(run_dir)
         logger = RunLogger(
             cfg.logger,
@@ -217,7 +209,7 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
             metrics=run_dir / rundir.METRICS,
             run_name=run_name(cfg),
             active=world.is_main,
-            config={**pivot_keys(cfg), **OmegaConf.to_container(raw, resolve=True)},
+            config={**pivot_keys(cfg), **cfg.record},
             resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
             job_type=pivot_keys(cfg)["variant"],
         )
@@ -235,7 +227,6 @@ def run(raw: DictConfig, cfg: RunConfig, world: dist.World, resume: Resume | Non
         try:
             _train(
                 cfg,
-                raw,
                 built,
                 summary,
                 world=world,
@@ -365,14 +356,14 @@ def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> 
     )
 
 
-def _open_run_dir(cfg: RunConfig, raw: DictConfig, *, world: dist.World, resumed: bool, start_step: int) -> Path:
+def _open_run_dir(cfg: RunConfig, *, world: dist.World, resumed: bool, start_step: int) -> Path:
     """Collective: the run dir, chosen by rank 0 and made there with config.yaml and the launch
     record; a resumed run's metrics after its checkpoint are dropped (written again)."""
     chosen = rundir.choose_run_dir(run_dir=cfg.run_dir, output_root=cfg.output_root, name=run_name(cfg))
     run_dir = Path(dist.broadcast_object(str(chosen) if world.is_main else None))
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / rundir.CONFIG).write_text(redact_yaml(raw))
+        (run_dir / rundir.CONFIG).write_text(record_yaml(cfg))
         rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
         if resumed:
             rundir.truncate_metrics(run_dir, start_step)
@@ -430,7 +421,7 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
     return Built(data, micro, comm, strategy, optimizer, scheduler, measured)
 
 
-def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt, signals) -> None:
+def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt, signals) -> None:
     """The training loop with its components (meter, NaN/Inf policy, checkpointer, evaluation),
     then the end-of-run figures, into `summary`."""
     start_step, tcfg = ckpt.step if ckpt else 0, cfg.trainer
@@ -451,7 +442,7 @@ def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, r
         scheduler=scheduler,
         world=world,
         device=device,
-        config=resume_config(raw),
+        config=cfg.record,
         keep=tcfg.keep_checkpoints,
         extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes},
     )
@@ -511,12 +502,12 @@ def _train(cfg, raw, built: Built, summary: Summary, *, world, device, logger, r
     )
 
 
-def preflight(overrides: list[str], world: dist.World) -> tuple[DictConfig, RunConfig, Resume | None]:
+def preflight(overrides: list[str], world: dist.World) -> tuple[RunConfig, Resume | None]:
     """Every check before any process group: the config for this world size, then the run dir
     (what it resumes from); one ConfigError naming a key when the input is bad. Writes nothing."""
     try:
-        raw, cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
-        return raw, cfg, check_run_dir(cfg, raw)
+        cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
+        return cfg, check_run_dir(cfg)
     except ConfigError as err:
         raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None
 
@@ -526,7 +517,7 @@ def main(overrides: list[str]) -> int:
     before any process group), 3 a diagnosed failure (one line)."""
     world = dist.world_from_env()
     try:
-        raw, cfg, resume = preflight(overrides, world)
+        cfg, resume = preflight(overrides, world)
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
         if not world.is_main:
@@ -535,7 +526,7 @@ def main(overrides: list[str]) -> int:
             time.sleep(2)
         return 2
     try:
-        summary = run(raw, cfg, world, resume=resume)
+        summary = run(cfg, world, resume=resume)
     except RunFailed as err:  # diagnosed (and in summary.json once it exists): one line, no traceback
         if err.reporter if isinstance(err, PeerLost) else world.is_main:
             print(redact_text(f"error: {err}"), file=sys.stderr, flush=True)
