@@ -17,7 +17,6 @@ from sdp.parallel.config import (
     ParallelConfig,
     Parallelism,
     Precision,
-    sdp_workers,
     validate_parallel,
 )
 from sdp.parallel.ddp import DDPStrategy
@@ -37,6 +36,5 @@ __all__ = [
     "host",
     "move_to",
     "rank0_buffers",
-    "sdp_workers",
     "validate_parallel",
 ]

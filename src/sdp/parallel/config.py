@@ -74,46 +74,16 @@ class ParallelConfig:
     timeout_s: float = 1800.0
 
 
-def sdp_workers(cfg: ParallelConfig, *, masking: str, world_size: int) -> int:
-    """K, the number of SDP workers: the world, or world / F under SDP x FSDP."""
-    sdp = masking in ("backward", "forward")
-    return world_size // cfg.fsdp_degree if cfg.name == "fsdp" and sdp else world_size
-
-
 # Communicators cost device memory (parallelism.comm_group_overhead_mb each): a rank in more
 # than this many groups is a typo of parallelism.max_comm_groups, not a plan.
 MAX_COMM_GROUPS = 4096
 
 
-def validate_parallel(
-    cfg: ParallelConfig,
-    *,
-    masking: str = "none",
-    world_size: int = 1,
-) -> None:
+def validate_parallel(cfg: ParallelConfig) -> None:
+    """The checks on parallelism.* alone. Those that depend on the masking (SDP x FSDP's
+    fsdp_degree) are SDP's: `sdp.subnet.validate_sdp_x_fsdp`."""
     if cfg.fsdp_degree < 1:
         raise ConfigError("parallelism.fsdp_degree", cfg.fsdp_degree, "must be >= 1")
-    if cfg.fsdp_degree > 1 and not (cfg.name == "fsdp" and masking in ("backward", "forward")):
-        raise ConfigError(
-            "parallelism.fsdp_degree",
-            cfg.fsdp_degree,
-            f"is the shard group of each SDP worker and applies only to parallelism=fsdp with masking=forward "
-            f"(here parallelism={cfg.name}, masking={masking}; plain FSDP shards over all ranks); allowed: 1",
-        )
-    if cfg.name == "fsdp" and masking in ("backward", "forward"):
-        if masking != "forward":
-            raise ConfigError(
-                "parallelism",
-                cfg.name,
-                f"with masking={masking}: SDP x FSDP needs masking=forward (backward masking trains views "
-                "into full weights on every rank, which FSDP's shards cannot host); allowed: parallelism=ddp",
-            )
-        if world_size % cfg.fsdp_degree:
-            raise ConfigError(
-                "parallelism.fsdp_degree",
-                cfg.fsdp_degree,
-                f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
-            )
     if cfg.bucket_cap_mb <= 0:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
     if cfg.comm_group_overhead_mb < 0:

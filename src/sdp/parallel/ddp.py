@@ -1,4 +1,4 @@
-"""DDP: torch DistributedDataParallel over all ranks, the baseline (`masking=none`)."""
+"""DDP: torch DistributedDataParallel over all ranks, the baseline: every rank holds and trains everything."""
 
 from __future__ import annotations
 

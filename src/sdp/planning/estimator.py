@@ -38,12 +38,11 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
-from sdp.parallel import sdp_workers
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
 from sdp.run.measure import PhaseTimer, measure_peak
 from sdp.run.trainer import micro_batch_size, train_step
-from sdp.subnet import is_sdp
+from sdp.subnet import is_sdp, sdp_workers
 from sdp.subnet.strategy import plan_mask, planned_comm_groups
 
 GIB = 2**30

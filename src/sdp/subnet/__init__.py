@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from sdp.errors import ConfigError
+from sdp.parallel.config import ParallelConfig
 from sdp.subnet.mask import Construction
 from sdp.subnet.units import Granularity
 
@@ -33,6 +34,40 @@ SDP_MASKINGS = (Masking.backward, Masking.forward)
 def is_sdp(masking: str) -> bool:
     """Whether `masking` (masking.name) trains subnetworks (the others hold the whole model)."""
     return masking in SDP_MASKINGS
+
+
+def sdp_workers(parallel: ParallelConfig, *, masking: str, world_size: int) -> int:
+    """K, the number of SDP workers: the world, or world / F under SDP x FSDP."""
+    return world_size // parallel.fsdp_degree if parallel.name == "fsdp" and is_sdp(masking) else world_size
+
+
+def validate_sdp_x_fsdp(parallel: ParallelConfig, *, masking: str, world_size: int) -> None:
+    """The checks on parallelism.* that depend on the masking: FSDP under SDP, whose shard
+    groups (parallelism.fsdp_degree, F) host forward masking's subnetworks only. Run after
+    `validate_parallel` (F >= 1)."""
+    sharded = parallel.name == "fsdp" and is_sdp(masking)
+    if parallel.fsdp_degree > 1 and not sharded:
+        raise ConfigError(
+            "parallelism.fsdp_degree",
+            parallel.fsdp_degree,
+            f"is the shard group of each SDP worker and applies only to parallelism=fsdp with masking=forward "
+            f"(here parallelism={parallel.name}, masking={masking}; plain FSDP shards over all ranks); allowed: 1",
+        )
+    if not sharded:
+        return
+    if masking != "forward":
+        raise ConfigError(
+            "parallelism",
+            parallel.name,
+            f"with masking={masking}: SDP x FSDP needs masking=forward (backward masking trains views "
+            "into full weights on every rank, which FSDP's shards cannot host); allowed: parallelism=ddp",
+        )
+    if world_size % parallel.fsdp_degree:
+        raise ConfigError(
+            "parallelism.fsdp_degree",
+            parallel.fsdp_degree,
+            f"must divide the world size {world_size} (world = SDP workers x fsdp_degree)",
+        )
 
 
 class Scale(StrEnum):
