@@ -21,7 +21,15 @@ from torch import nn
 from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.parallel import DDPStrategy, ParallelConfig
-from sdp.run.checkpoint import check_resume, choose_checkpoint, complete_checkpoints, load_checkpoint, save_checkpoint
+from sdp.run.checkpoint import (
+    CheckpointTarget,
+    SavedState,
+    check_resume,
+    choose_checkpoint,
+    complete_checkpoints,
+    load_checkpoint,
+    write_checkpoint,
+)
 
 CONFIG = {"model": {"name": "tiny"}, "trainer": {"max_steps": 10}}
 WORLD = dist.World(rank=0, local_rank=0, world_size=1)
@@ -41,17 +49,8 @@ def _trainer(seed: int = 0, width: int = 8):
 
 def _save(run_dir, step, trainer, keep=2):
     strategy, optimizer, scheduler = trainer
-    return save_checkpoint(
-        run_dir,
-        step=step,
-        strategy=strategy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        world=WORLD,
-        device=torch.device("cpu"),
-        config=CONFIG,
-        keep=keep,
-    )
+    target = CheckpointTarget(run_dir, config=CONFIG, keep=keep)
+    return write_checkpoint(target, SavedState(strategy, optimizer, scheduler, world=WORLD, device=CPU), step=step)
 
 
 def _choose(run_dir):
@@ -254,17 +253,8 @@ def save_and_record(argv: list[str]) -> int:
         mine = fault is not None and fault[0] == rank
         with _full_disk(fault[1]) if mine else contextlib.nullcontext():
             try:
-                path = save_checkpoint(
-                    Path("run"),
-                    step=step,
-                    strategy=strategy,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    world=world,
-                    device=CPU,
-                    config=CONFIG,
-                    keep=2,
-                )
+                state = SavedState(strategy, optimizer, scheduler, world=world, device=CPU)
+                path = write_checkpoint(CheckpointTarget(Path("run"), config=CONFIG, keep=2), state, step=step)
                 returned = None if path is None else path.name
             except Exception as err:  # noqa: BLE001 - a mismatched collective: recorded for the test
                 returned = f"raised {type(err).__name__}: {err}"

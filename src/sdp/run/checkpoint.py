@@ -336,26 +336,6 @@ class _Prepared:
     portable: PortableState
 
 
-def save_checkpoint(
-    run_dir: Path,
-    *,
-    step: int,
-    strategy,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    world: dist.World,
-    device: torch.device,
-    config: dict,
-    keep: int,
-    measured: dict | None = None,
-    extra_meta: dict | None = None,
-) -> Path | None:
-    """`write_checkpoint` with its arguments spelled out (the callers' keyword form)."""
-    target = CheckpointTarget(run_dir, config=config, keep=keep, extra_meta=extra_meta)
-    state = SavedState(strategy, optimizer, scheduler, world=world, device=device)
-    return write_checkpoint(target, state, step=step, measured=measured)
-
-
 def write_checkpoint(
     target: CheckpointTarget, state: SavedState, *, step: int, measured: dict | None = None
 ) -> Path | None:

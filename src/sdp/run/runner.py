@@ -26,12 +26,14 @@ from sdp.run.build import build_strategy
 from sdp.run.checkpoint import (
     Checkpoint,
     Checkpointer,
+    CheckpointTarget,
     Resume,
+    SavedState,
     check_resume,
     choose_checkpoint,
     complete_checkpoints,
     load_checkpoint,
-    save_checkpoint,
+    write_checkpoint,
 )
 from sdp.run.config import RunConfig, load_config, record_yaml, typed_config, validate
 from sdp.run.measure import Meter
@@ -435,16 +437,14 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
         start_batch=evals_done * cfg.masking.bn_recalibration_batches,
     )
     save = functools.partial(
-        save_checkpoint,
-        run_dir,
-        strategy=strategy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        world=world,
-        device=device,
-        config=cfg.record,
-        keep=tcfg.keep_checkpoints,
-        extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes},
+        write_checkpoint,
+        CheckpointTarget(
+            run_dir,
+            config=cfg.record,
+            keep=tcfg.keep_checkpoints,
+            extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes},
+        ),
+        SavedState(strategy, optimizer, scheduler, world=world, device=device),
     )
     seq_len = cfg.dataset.seq_len if built.data.kind == "text" else 1
     meter = Meter(
