@@ -5,7 +5,7 @@ import pytest
 import torch.distributed as tdist
 
 from sdp import dist
-from sdp.run.runner import peer_lost
+from sdp.run.outcome import peer_lost
 
 
 def raised(err: BaseException) -> BaseException:
@@ -55,7 +55,7 @@ def test_the_roll_call_names_the_ranks_that_did_not_report(monkeypatch):
     store.set("failed/2", "1")  # rank 2 reported its own failure; rank 1 never does
     assert dist.roll_call(world, wait_s=0.5) == [0, 2]
     lost = peer_lost(
-        "all_reduce (from sdp.run.runner.StopSignals.__call__)",
+        "all_reduce (from sdp.run.signals.StopSignals.__call__)",
         RuntimeError("Timed out waiting 20000ms"),
         world=world,
         timeout_s=20,
@@ -63,7 +63,7 @@ def test_the_roll_call_names_the_ranks_that_did_not_report(monkeypatch):
     )
     assert str(lost) == (
         "rank 1 stopped responding: rank 0 got no reply within parallelism.timeout_s=20 in all_reduce "
-        "(from sdp.run.runner.StopSignals.__call__); no checkpoint was written yet"
+        "(from sdp.run.signals.StopSignals.__call__); no checkpoint was written yet"
     )
     assert lost.reporter  # the lowest rank that reported
     monkeypatch.setattr(dist, "_CONTROL", None)  # no store to ask: this rank reports

@@ -14,7 +14,7 @@ import pytest
 from sdp import dist
 from sdp.errors import ConfigError
 from sdp.run.config import group_options, typed_config
-from sdp.run.runner import preflight
+from sdp.run.preflight import preflight
 
 CASES = 40  # random combinations; tests/test_fuzz_entrypoints.py draws every value class
 CASE_LIMIT_S = 10

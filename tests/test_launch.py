@@ -15,7 +15,7 @@ from conftest import job_env
 from sdp.errors import ConfigError
 from sdp.launching.torchrun import split_options, torchrun_argv, world_size
 from sdp.launching.variants import train_command
-from sdp.run.runner import StopSignals
+from sdp.run.signals import StopSignals
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
 TINY += ["logger=none", "trainer.progress=false", "trainer.eval_every=0", "dataset.eval_batches=1"]
@@ -126,7 +126,7 @@ def test_ctrl_c_stops_every_worker_with_a_checkpoint_in_one_line(tmp_path):
     assert summary["status"] == "stopped" and summary["stopped_by"] == "SIGINT" and summary["resumes_from"] == step
     assert step >= 10 and step % 5 == 0
     from sdp.dist import World
-    from sdp.run.runner import preflight
+    from sdp.run.preflight import preflight
 
     _, resume = preflight(argv, World(0, 0, 2))  # the same command resumes from there
     assert [c.step for c in resume.candidates] == [step]

@@ -141,7 +141,7 @@ def test_a_resumed_stream_continues_where_the_first_left_off(overrides):
 def test_a_signal_asks_every_rank_to_stop(tmp_path):
     import torch.distributed as tdist
 
-    from sdp.run.runner import StopSignals
+    from sdp.run.signals import StopSignals
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -162,7 +162,7 @@ def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
     # The config records run_dir as the first launch spelled it; the run dir is the run, so a
     # trailing slash, a relative path, a symlink or a moved directory all resume it.
     from sdp.dist import World
-    from sdp.run.runner import preflight
+    from sdp.run.preflight import preflight
 
     monkeypatch.chdir(tmp_path)
     first = tmp_path / "first"

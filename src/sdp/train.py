@@ -17,6 +17,7 @@ from sdp.launching import torchrun
 from sdp.launching.cli import help_text, parse_command_line, show_config
 from sdp.launching.sweep import run_sweep
 from sdp.run import runner
+from sdp.run.preflight import preflight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--{name}", options[name] or None, where)
         if line.cfg:  # only a config the launch would run: the same checks first
             size = torchrun.world_size(options) if options else world.world_size
-            runner.preflight(line.overrides, dist.World(rank=0, local_rank=0, world_size=size or 1))
+            preflight(line.overrides, dist.World(rank=0, local_rank=0, world_size=size or 1))
         if line.help or line.cfg:  # print and start nothing (every rank under torchrun; rank 0 prints)
             dist.print0(world, help_text(line.overrides) if line.help else show_config(line.overrides, line.cfg))
             return 0

@@ -58,6 +58,7 @@ from sdp.redact import redact, redact_text
 from sdp.run import runner
 from sdp.run.checkpoint import check_completed
 from sdp.run.config import load_config
+from sdp.run.preflight import check_run_dir
 from sdp.rundir import read_summary, run_status
 
 SWEEP_KEYS = (
@@ -173,7 +174,7 @@ def plan(overrides: list[str], *, root: Path, nproc: int, start: int = 0, name: 
                 check_completed(run_dir, cfg.record)
                 status = "skipped"
             else:
-                runner.check_run_dir(cfg)
+                check_run_dir(cfg)
         except ConfigError as err:
             status, error = "invalid", str(err)
         out.append(Job(i, job, str(run_dir), status, error))

@@ -10,7 +10,7 @@ agent started by the entrypoint itself, so a launch behaves as its documentation
   failure, already one line), 130 (Ctrl-C: the run stopped with a checkpoint and said how to
   resume). Any other failure is one line naming the rank and its exit code or signal.
 - Ctrl-C reaches every worker, which stops after its current log step with a checkpoint
-  (`sdp.run.runner.StopSignals`); the agent waits `--shutdown-timeout` seconds (here 120 by
+  (`sdp.run.signals.StopSignals`); the agent waits `--shutdown-timeout` seconds (here 120 by
   default, torchrun's 30) for that before it kills them.
 
 The options are torchrun's, spelled as torchrun spells them; `torch.distributed.run` parses
@@ -31,7 +31,7 @@ from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from sdp import dist
 from sdp.errors import ConfigError
-from sdp.run import runner
+from sdp.run.preflight import preflight
 
 # torchrun's options that take a value, and those that do not (both spellings are accepted).
 VALUE_OPTIONS = (
@@ -137,7 +137,7 @@ def main(options: dict[str, str], worker_argv: list[str], overrides: list[str]) 
     try:
         size = world_size(options)
         if size is not None:
-            runner.preflight(overrides, dist.World(rank=0, local_rank=0, world_size=size))
+            preflight(overrides, dist.World(rank=0, local_rank=0, world_size=size))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,77 @@
+"""Every check of a run before any process group: its config for this world size, then its run
+dir (what it resumes from). Bad input is one ConfigError naming a key; nothing is written.
+`sdp.train` calls `preflight` before it launches any worker, and each worker again."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from sdp import dist, rundir
+from sdp.errors import ConfigError
+from sdp.run.checkpoint import Resume, check_resume, complete_checkpoints
+from sdp.run.config import RunConfig, load_config, typed_config, validate
+
+
+def check_run_dir(cfg: RunConfig) -> Resume | None:
+    """Before any process group: the checkpoints to resume from when run_dir holds some (and
+    the config matches), None for a new run; a completed run, or one that cannot be resumed,
+    is refused with one error and nothing written so far is touched.
+
+    A torchrun restart (--max-restarts) of a launch without run_dir finds the run dir its
+    first attempt created by the job's rendezvous id (launch.json)."""
+    if cfg.run_dir:
+        rundir.check_writable("run_dir", Path(cfg.run_dir))
+    else:
+        rundir.check_writable("output_root", Path(cfg.output_root))
+    if not cfg.run_dir:
+        cfg.run_dir = rundir.elastic_run_dir(cfg.output_root)
+        if not cfg.run_dir:
+            return None
+    run_dir = Path(cfg.run_dir)
+    return check_resume(run_dir, cfg.record, restarted=rundir.restarted_job(run_dir))
+
+
+# A refused world size lists the ones that would resume, up to twice the larger of the two.
+def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -> ConfigError | None:
+    """When a launch resumes a run dir on a world size its config does not allow (C x K not a
+    whole number, an fsdp_degree that does not divide it, a batch that does not split), the
+    refusal names run_dir and the world sizes that would resume; None otherwise."""
+    if not any(o.lstrip("+~").partition("=")[0] == "run_dir" for o in overrides):
+        return None  # no run dir to resume: nothing to compose again
+    try:
+        cfg = typed_config(overrides)
+    except ConfigError:
+        return None
+    found = complete_checkpoints(Path(cfg.run_dir)) if cfg.run_dir and Path(cfg.run_dir).is_dir() else []
+    before = found[-1].meta.get("world_size") if found else None
+    if not isinstance(before, int) or before == world_size:
+        return None
+
+    def fits(n: int) -> bool:
+        try:
+            validate(copy.deepcopy(cfg), world_size=n, offline=dist.hub_offline(), check_data=False)
+        except ConfigError:
+            return False
+        return True
+
+    if not fits(before):
+        return None  # the config itself changed: its own error says what is wrong
+    limit = 2 * max(before, world_size)
+    allowed = ", ".join(str(n) for n in range(1, limit + 1) if fits(n))
+    return ConfigError(
+        "run_dir",
+        cfg.run_dir,
+        f"was checkpointed with {before} processes and cannot resume on {world_size} ({err}); "
+        f"it resumes on {allowed} processes (of 1 to {limit})",
+    )
+
+
+def preflight(overrides: list[str], world: dist.World) -> tuple[RunConfig, Resume | None]:
+    """Every check before any process group: the config for this world size, then the run dir
+    (what it resumes from); one ConfigError naming a key when the input is bad. Writes nothing."""
+    try:
+        cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
+        return cfg, check_run_dir(cfg)
+    except ConfigError as err:
+        raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None
