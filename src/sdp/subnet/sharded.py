@@ -38,7 +38,6 @@ launch.
 
 from __future__ import annotations
 
-from functools import cached_property
 from types import SimpleNamespace
 
 import torch
@@ -52,7 +51,7 @@ from sdp.models import blocks
 from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy, shard_like
 from sdp.subnet.apply import named_tensors
-from sdp.subnet.groups import REPLICATED, rank_sets, ranks_of, sdp_dimension_sets, shard_dims
+from sdp.subnet.groups import rank_sets, ranks_of, sdp_dimension_sets
 from sdp.subnet.resample import HOST, place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, Transfer
@@ -62,6 +61,8 @@ class ShardedSDPStrategy(SDPStrategy):
     """SDP over K = world / F workers, each sharding its subnetwork over F ranks with FSDP2."""
 
     def __init__(self, model: nn.Module, cfg, *, family: str, rank: int, world_size: int, parallel, **kwargs):
+        """As `SDPStrategy`, but `world_size` is the world (K x F) and `parallel` the parallelism
+        config (F = parallel.fsdp_degree); a `plan` is K workers' of F ranks."""
         f = parallel.fsdp_degree
         self.fsdp_degree, self.shard, self.family, self.parallel = f, rank % f, family, parallel
         self.mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))
@@ -81,14 +82,14 @@ class ShardedSDPStrategy(SDPStrategy):
     def worker(self) -> int:
         return self.rank // self.fsdp_degree
 
-    @cached_property
+    @property
     def shard_dims(self) -> dict[str, int | None]:
-        return shard_dims(self.spec, self.shapes, self.fsdp_degree)
+        return self.plan.shard_dims
 
-    @cached_property
-    def replicated(self) -> set[str]:
+    @property
+    def replicated(self) -> frozenset[str]:
         """Plain names of the parameters kept whole on each rank of a worker."""
-        return {n for n, d in self.shard_dims.items() if d is REPLICATED}
+        return self.plan.replicated
 
     def _ranks(self, workers: tuple[int, ...], shard: int | None) -> tuple[int, ...]:
         return ranks_of(workers, shard, fsdp_degree=self.fsdp_degree)

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import static_bytes
-from sdp.models import blocks, build_on_meta
 from sdp.optim import hyperparameters, rebind, set_state
-from sdp.parallel import ParallelConfig, PortableState, Strategy, host, move_to
+from sdp.parallel import PortableState, Strategy, host, move_to
 from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.apply import (
     apply_backward_masking,
@@ -26,145 +21,20 @@ from sdp.subnet.apply import (
     forward_assembly,
     named_tensors,
 )
-from sdp.subnet.groups import REPLICATED, HolderGroups, joined, rank_sets, sdp_dimension_sets, shard_dims
-from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
+from sdp.subnet.groups import HolderGroups
+from sdp.subnet.plan import SubnetPlan, mask_of, plan_mask, planned_comm_groups, validate_plan
 from sdp.subnet.refresh import WeightRefresh
 from sdp.subnet.resample import gather_state, place_state
 from sdp.subnet.sync import GradSync, Transfer, broadcast_from_holders
-from sdp.subnet.units import UnitSpec, unit_spec
 
-
-def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
-    """The unit spec and (epoch 0) mask of a plain model: a pure function of config and world size."""
-    spec = unit_spec(model, family=family, granularity=cfg.granularity)
-    return spec, mask_of(spec, cfg, world_size=world_size)
-
-
-def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int = 0) -> Mask:
-    """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every steps)."""
-    return build_mask(
-        [g.num_units for g in spec.groups],
-        num_workers=world_size,
-        coverage=cfg.coverage,
-        construction=cfg.construction,
-        seed=cfg.seed,
-        group_kinds=[g.kind for g in spec.groups],
-        epoch=epoch,
-    )
-
-
-def planned_comm_groups(
-    model: nn.Module,
-    cfg: MaskingConfig,
-    *,
-    family: str,
-    workers: int,
-    fsdp_degree: int = 1,
-    steps: int = 0,
-    stop_above: int | None = None,
-) -> list[int]:
-    """The process groups (with NCCL, communicators) each rank joins in a run of `steps` steps:
-    the world, the groups of the holder sets of every mask epoch the run visits (a resample
-    adds the new epoch's and keeps the old ones), and under SDP x FSDP (`fsdp_degree` > 1)
-    the mesh's two. With `stop_above`, counting stops once a rank has more (for a refusal).
-    What `SDPStrategy.comm_groups` reports at the end of such a run."""
-    spec = unit_spec(model, family=family, granularity=cfg.granularity)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    replicated = fsdp_degree > 1 and REPLICATED in shard_dims(spec, shapes, fsdp_degree).values()
-    world = workers * fsdp_degree
-    mesh = sum(1 for size in (workers, fsdp_degree) if size > 1) if fsdp_degree > 1 else 0
-    every = cfg.resample_every
-    # The cyclic and blocked constructions' holder sets are the same in every epoch (only the chunks move).
-    epochs = (steps - 1) // every + 1 if every and steps > 1 and cfg.construction not in FIXED_HOLDER_SETS else 1
-    # Under SDP x FSDP the mesh's sdp-dimension groups serve the holder set of every worker.
-    meshed = set(sdp_dimension_sets(workers, fsdp_degree=fsdp_degree)) if fsdp_degree > 1 else set()
-    holder_sets: set[tuple[int, ...]] = {tuple(range(workers))}
-    for epoch in range(epochs):
-        mask = mask_of(spec, cfg, world_size=workers, epoch=epoch)
-        holder_sets |= set(mask.holder_sets())
-        # Once every set of r workers has been drawn, later epochs add none (a long run, or
-        # a typo of trainer.max_steps, need not draw them all).
-        everyone = math.comb(workers, mask.holders) + (mask.holders < workers)
-        saturated = len(holder_sets) >= everyone
-        if stop_above is None and epoch < epochs - 1 and not saturated:
-            continue
-        sets = [hs for hs in rank_sets(holder_sets, fsdp_degree=fsdp_degree, replicated=replicated) if hs not in meshed]
-        counts = [1 + mesh + joined(sets, rank=r, world_size=world) for r in range(world)]
-        if saturated or (stop_above is not None and max(counts) > stop_above):
-            break
-    return counts
-
-
-def _too_many_groups(model: nn.Module, cfg: MaskingConfig, *, family: str, workers: int, parallel, steps: int):
-    """The refusal of a run whose busiest rank would join more than parallelism.max_comm_groups
-    groups, or None."""
-    f = parallel.fsdp_degree if parallel.name == "fsdp" else 1
-    count = functools.partial(planned_comm_groups, model, family=family, workers=workers, fsdp_degree=f, steps=steps)
-    busiest = max(count(cfg, stop_above=parallel.max_comm_groups))
-    if busiest <= parallel.max_comm_groups:
-        return None
-    resampled = (
-        cfg.resample_every and cfg.construction not in FIXED_HOLDER_SETS
-    )  # counting stopped at the first epoch over
-    cyclic = max(count(dataclasses.replace(cfg, construction="cyclic")))
-    if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
-        instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
-    else:
-        instead = "lower masking.coverage or use fewer workers"
-    return ConfigError(
-        "masking.construction",
-        cfg.construction,
-        f"makes the busiest rank join {'at least ' if resampled else ''}{busiest} process groups (the world "
-        f"included) with K={workers} workers at C={cfg.coverage}"
-        + (f" and a new mask every {cfg.resample_every} steps" if resampled else "")
-        + f", more than parallelism.max_comm_groups={parallel.max_comm_groups}; each is an NCCL communicator of "
-        f"about {parallel.comm_group_overhead_mb:g} MiB of device memory (parallelism.comm_group_overhead_mb); "
-        f"{instead}, or raise parallelism.max_comm_groups",
-    )
-
-
-def validate_plan(model_cfg, cfg: MaskingConfig, *, world_size: int, parallel=None, steps: int = 0) -> None:
-    """Check the mask against the model before launch (the model is built on the meta device),
-    and the process groups it needs against parallelism.max_comm_groups."""
-    model = build_on_meta(model_cfg)
-    spec, mask = plan_mask(model, cfg, family=model_cfg.family, world_size=world_size)
-    refusal = _too_many_groups(
-        model, cfg, family=model_cfg.family, workers=world_size, parallel=parallel or ParallelConfig(), steps=steps
-    )
-    if refusal is not None:
-        raise refusal
-    if cfg.granularity == "block":
-        _check_every_worker_holds_a_block(spec, mask, cfg, world_size=world_size)
-    if cfg.name != "forward":
-        return
-    for g, group in enumerate(spec.groups):
-        for worker in range(world_size):
-            if group.kind != "block" and mask.held_units(worker, g).size == 0:
-                raise ConfigError(
-                    "masking.coverage",
-                    cfg.coverage,
-                    f"leaves worker {worker} of {world_size} no unit of {group.name} ({group.num_units} "
-                    f"{group.kind} units); raise the coverage, use fewer workers or masking.granularity=block",
-                )
-
-
-def _check_every_worker_holds_a_block(spec, mask, cfg: MaskingConfig, *, world_size: int) -> None:
-    """Block masking: a worker that holds no block would train only the shared tensors while the
-    run reports coverage C (either masking mode): refused."""
-    blocks = [g for g, group in enumerate(spec.groups) if group.kind == "block"]
-    for worker in range(world_size):
-        if blocks and not any(mask.held_units(worker, g).size for g in blocks):
-            raise ConfigError(
-                "masking.coverage",
-                cfg.coverage,
-                f"leaves worker {worker} of {world_size} no block (the model has {len(blocks)}, each held by "
-                f"{mask.holders} of {world_size} workers); raise the coverage, use fewer workers or "
-                "masking.granularity=neuron",
-            )
+# The plan's functions live in sdp.subnet.plan; they stay importable from here.
+__all__ = ["SDPStrategy", "SubnetPlan", "mask_of", "plan_mask", "planned_comm_groups", "validate_plan"]
 
 
 class SDPStrategy(Strategy):
     """Each rank trains its subnetwork; gradients are averaged among each unit's holders."""
+
+    fsdp_degree = 1  # F, the ranks of a worker (SDP x FSDP's are more)
 
     def __init__(
         self,
@@ -183,6 +53,7 @@ class SDPStrategy(Strategy):
         epoch: int = 0,
         overlap: bool = True,
         compiled: bool = False,
+        plan: SubnetPlan | None = None,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
         `make_plain` builds a full plain model on `device`, which assembly overwrites;
@@ -190,26 +61,22 @@ class SDPStrategy(Strategy):
         `epoch` is the mask epoch to start in (a resumed run's); `overlap`
         (parallelism.overlap_comm) overlaps gradient averaging with the backward and
         backward masking's weight refresh with the next forward; `compiled`: `prepare` compiles
-        every block's forward (parallelism.compile), so the refresh waits before each block."""
+        every block's forward (parallelism.compile), so the refresh waits before each block.
+        `plan`: the plan of this model, config and K workers (`validate_plan`'s), else made here."""
+        plan = plan or SubnetPlan.build(model, cfg, family=family, workers=world_size, fsdp_degree=self.fsdp_degree)
+        _check_plan(plan, cfg, family=family, workers=world_size, fsdp_degree=self.fsdp_degree)
+        self.plan = plan
         self.cfg, self.rank, self.world_size, self.device, self.comm = cfg, rank, world_size, device, comm
         self.bucket_cap_mb, self.make_plain, self.prepare = bucket_cap_mb, make_plain, prepare
         self.autocast_dtype = autocast_dtype
-        self.spec, self.mask = plan_mask(model, cfg, family=family, world_size=world_size)
-        self.shapes = {n: p.shape for n, p in model.named_parameters()}
-        self.stats = mask_stats(self.mask, [g.unit_numel(self.shapes) for g in self.spec.groups])  # epoch 0's
+        self.spec, self.shapes, self.stats = plan.spec, plan.shapes, plan.stats
         self.epoch = epoch
-        if epoch:
-            self.mask = mask_of(self.spec, cfg, world_size=world_size, epoch=epoch)
-        self.full_params = sum(s.numel() for s in self.shapes.values())
-        self.shared_params = sum(self.shapes[n].numel() for n in self.spec.shared_params)
+        self.mask = plan.mask_at(epoch)
+        self.full_params, self.shared_params = plan.full_params, plan.shared_params
         self.plain_names = list(self.shapes)
-        # A tensor's place in the plain model (the order buckets are filled and launched in),
-        # and the block it belongs to (-1: none).
-        self.position = {n: i for i, n in enumerate(self.plain_names)}
-        paths = [path for path, _ in blocks(model, family=family)]
-        self.block_of = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), -1) for n in self.shapes}
+        self.position, self.block_of = plan.position, plan.block_of
         self.overlap, self.sync, self.refresh, self._trace = overlap, None, None, None
-        self.block_paths, self.compiled = paths, compiled
+        self.compiled = compiled
         comm.track_waits()
         self.groups = HolderGroups([], world_size=torch.distributed.get_world_size())
         self._register_groups([tuple(range(world_size))])
@@ -255,13 +122,9 @@ class SDPStrategy(Strategy):
                 comm=self.comm,
                 bucket_cap_mb=self.bucket_cap_mb,
                 device=self.device,
-                wait_at=self._enclosing_block if self.compiled else None,
+                wait_at=self.plan.enclosing_block if self.compiled else None,
             )
         self.trace_collectives(self._trace)
-
-    def _enclosing_block(self, path: str) -> str:
-        """The block `path` is in (itself when in none)."""
-        return next((b for b in self.block_paths if path == b or path.startswith(b + ".")), path)
 
     def trace_collectives(self, trace: list | None) -> None:
         """Record every gradient all-reduce and weight-refresh broadcast this rank issues, in
@@ -305,7 +168,7 @@ class SDPStrategy(Strategy):
         state, scalars = self._gather_state(optimizer, comm=self.comm)
         full = self._current_plain_model()
         self.epoch = step // every
-        self.mask = mask_of(self.spec, self.cfg, world_size=self.world_size, epoch=self.epoch)
+        self.mask = self.plan.mask_at(self.epoch)
         self._install(full)
         self._set_state(optimizer, state, scalars)
         return True
@@ -503,3 +366,13 @@ class SDPStrategy(Strategy):
             "mask": self.stats,
             "shared_params": self.shared_params,
         }
+
+
+def _check_plan(plan: SubnetPlan, cfg: MaskingConfig, *, family: str, workers: int, fsdp_degree: int) -> None:
+    """A plan handed to a strategy must be the plan of its config, family, K and F."""
+    got = (plan.cfg, plan.family, plan.workers, plan.fsdp_degree)
+    if got != (cfg, family, workers, fsdp_degree):
+        raise ValueError(
+            f"the plan (masking, family, workers, fsdp_degree) = {got} is not this strategy's "
+            f"{(cfg, family, workers, fsdp_degree)}"
+        )
