@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.metrics.comm import CommCounter
-from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, split_by_size
+from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, broadcast_from_holders, split_by_size
 
 
 @dataclass(frozen=True)
@@ -184,3 +184,72 @@ class WeightRefresh:
         for i, work in enumerate(self._works):
             if work is not None:
                 self._finish(i)
+
+
+class Refresh:
+    """Backward masking's weight refresh across subnetworks (a resample makes a new one):
+    overlapped with the next forward (`WeightRefresh`), or, without `overlap`, broadcast after
+    the optimizer step (the reference). Nothing to do under forward masking."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        comm: CommCounter,
+        bucket_cap_mb: float,
+        device: torch.device,
+        position: Mapping[str, int],
+        overlap: bool,
+    ):
+        self.rank, self.comm, self.bucket_cap_mb, self.device = rank, comm, bucket_cap_mb, device
+        self.position, self.overlap = position, overlap
+        self.transfers: list[Transfer] = []
+        self.overlapped: WeightRefresh | None = None
+        self.trace: list | None = None
+
+    def rebuild(
+        self, transfers: list[Transfer], model: nn.Module, *, wait_at: Callable[[str], str] | None = None
+    ) -> None:
+        """Refresh these non-held ranges of `model` (a new subnetwork's) from now on; `wait_at`:
+        see `WeightRefresh` (compiled blocks wait before the block)."""
+        if self.overlapped is not None:  # the last subnetwork's, after a resample
+            self.overlapped.remove_hooks()
+        self.transfers, self.overlapped = transfers, None
+        if self.overlap and transfers:
+            self.overlapped = WeightRefresh(
+                transfers,
+                model=model,
+                position=self.position,
+                rank=self.rank,
+                comm=self.comm,
+                bucket_cap_mb=self.bucket_cap_mb,
+                device=self.device,
+                wait_at=wait_at,
+            )
+        self.trace_collectives(self.trace)
+
+    def trace_collectives(self, trace: list | None) -> None:
+        """Record the overlapped broadcasts into `trace` (None: stop)."""
+        self.trace = trace
+        if self.overlapped is not None:
+            self.overlapped.trace = trace
+
+    def after_step(self) -> None:
+        """After the optimizer step: refresh the non-held ranges (collective)."""
+        if self.overlapped is not None:
+            self.overlapped.start()  # the next forward waits for each module's pieces
+        elif self.transfers:
+            with self.comm.waiting():
+                broadcast_from_holders(
+                    self.transfers,
+                    rank=self.rank,
+                    comm=self.comm,
+                    kind="weight_refresh",
+                    bucket_cap_mb=self.bucket_cap_mb,
+                    device=self.device,
+                )
+
+    def settle(self) -> None:
+        """Finish every overlapped broadcast still in flight."""
+        if self.overlapped is not None:
+            self.overlapped.wait_all()

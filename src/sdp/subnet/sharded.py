@@ -31,6 +31,10 @@ optimizer state is gathered from its shards (collective within the worker)
 before the holders exchange units, and the new subnetwork's state is cut, one
 parameter at a time, into the shards FSDP gives the new parameters.
 
+The strategy is `SDPStrategy` with three parts of its own: the installer (the worker's groups,
+and FSDP2 over each new subnetwork), the state mover (optimizer state unsharded and re-cut
+into shards) and clipping's gradient scaling (each rank its own shards).
+
 Backward masking keeps every full weight on every rank and trains views into
 them, which FSDP's sharded parameters cannot host; it is refused before
 launch.
@@ -50,75 +54,58 @@ from sdp.dist import local
 from sdp.models import blocks
 from sdp.optim import rebind
 from sdp.parallel.fsdp import counting_collectives, mixed_precision_policy, shard_like
-from sdp.subnet.apply import named_tensors
+from sdp.subnet.apply import Subnet
 from sdp.subnet.groups import rank_sets, ranks_of, sdp_dimension_sets
+from sdp.subnet.install import Installed, Installer
 from sdp.subnet.resample import HOST, place_state
+from sdp.subnet.state import StateMover
 from sdp.subnet.strategy import SDPStrategy
-from sdp.subnet.sync import GradEntry, Piece, Transfer
+from sdp.subnet.sync import GradEntry, Piece
 
 
-class ShardedSDPStrategy(SDPStrategy):
-    """SDP over K = world / F workers, each sharding its subnetwork over F ranks with FSDP2."""
+def scale_shards(trainable: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Clipping's scaling: each rank scales its own shards."""
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    grads = [local(p.grad) for p in trainable if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
-    def __init__(self, model: nn.Module, cfg, *, family: str, rank: int, world_size: int, parallel, **kwargs):
-        """As `SDPStrategy`, but `world_size` is the world (K x F) and `parallel` the parallelism
-        config (F = parallel.fsdp_degree); a `plan` is K workers' of F ranks."""
-        f = parallel.fsdp_degree
-        self.fsdp_degree, self.shard, self.family, self.parallel = f, rank % f, family, parallel
-        self.mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))
-        self.fsdp_mesh = self.mesh["fsdp"]
-        super().__init__(model, cfg, family=family, rank=rank, world_size=world_size // f, **kwargs)
-        # FSDP's policy casts the sharded weights to bf16; replicated ones (biases of held
-        # neurons) stay fp32 and would meet bf16 activations: autocast casts them.
-        if parallel.mixed_precision == "bf16" and self.replicated:
-            self.autocast_dtype = torch.bfloat16
 
-    def comm_groups(self) -> int:
-        # The holder sets' groups of this rank's shard index (the mesh's sdp-dimension group
-        # among them) and the mesh's fsdp-dimension group.
-        return super().comm_groups() + (1 if self.fsdp_mesh.size() > 1 else 0)
+class ShardedInstaller(Installer):
+    """The installer of a worker of F ranks: the holder sets' groups per shard index, and FSDP2
+    over every new subnetwork (one unit per block, then the root)."""
 
-    @property
-    def worker(self) -> int:
-        return self.rank // self.fsdp_degree
+    def __init__(self, plan, *, rank: int, device: torch.device, prepare, mesh, parallel, comm):
+        super().__init__(plan, rank=rank, device=device, prepare=prepare)
+        self.mesh, self.parallel, self.comm = mesh, parallel, comm
+        self.shard = rank % plan.fsdp_degree
 
-    @property
-    def shard_dims(self) -> dict[str, int | None]:
-        return self.plan.shard_dims
-
-    @property
-    def replicated(self) -> frozenset[str]:
-        """Plain names of the parameters kept whole on each rank of a worker."""
-        return self.plan.replicated
-
-    def _ranks(self, workers: tuple[int, ...], shard: int | None) -> tuple[int, ...]:
-        return ranks_of(workers, shard, fsdp_degree=self.fsdp_degree)
-
-    def _register_groups(self, holder_sets) -> None:
+    def register(self, holder_sets) -> None:
         # The holder set of every worker, at shard index f, is the mesh's sdp-dimension group of
         # shard f: one communicator, not two. Then every rank takes part in creating every
         # other group, in the same order.
+        f = self.plan.fsdp_degree
         if self.mesh["sdp"].size() > 1:
-            everyone = sdp_dimension_sets(self.world_size, fsdp_degree=self.fsdp_degree)
+            everyone = sdp_dimension_sets(self.plan.workers, fsdp_degree=f)
             self.groups.adopt(everyone, rank=self.rank, group=self.mesh["sdp"].get_group())
-        self.groups.add(rank_sets(holder_sets, fsdp_degree=self.fsdp_degree, replicated=bool(self.replicated)))
+        self.groups.add(rank_sets(holder_sets, fsdp_degree=f, replicated=bool(self.plan.replicated)))
 
-    def _finish_subnet(self) -> list[GradEntry]:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        ignored = {p for p in self.model.parameters() if names[id(p)] in self.replicated}
+    def finish(self, subnet: Subnet) -> list[GradEntry]:
+        model, replicated, shard_dims = subnet.model, self.plan.replicated, self.plan.shard_dims
+        names = {id(p): n for n, p in model.named_parameters()}
+        ignored = {p for p in model.parameters() if names[id(p)] in replicated}
 
         def placement(p: nn.Parameter) -> Shard:
-            dim = self.shard_dims.get(names[id(p)])
+            dim = shard_dims.get(names[id(p)])
             return Shard(0 if dim is None else dim)
 
-        self._unsharded = dict(self.model.named_parameters())  # the parameters grad_entries point at
         mp = mixed_precision_policy(self.parallel)
-        common = dict(mesh=self.fsdp_mesh, mp_policy=mp, shard_placement_fn=placement, ignored_params=ignored)
+        common = dict(mesh=self.mesh["fsdp"], mp_policy=mp, shard_placement_fn=placement, ignored_params=ignored)
         sharded = [
             fully_shard(block, reshard_after_forward=self.parallel.reshard_after_forward, **common)
-            for _, block in blocks(self.model, family=self.family)
+            for _, block in blocks(model, family=self.plan.family)
         ]
-        sharded.append(fully_shard(self.model, **common))
+        sharded.append(fully_shard(model, **common))
         for module in sharded:
             all_gather, reduce_scatter = counting_collectives(self.comm)
             module.set_custom_all_gather(all_gather)
@@ -126,61 +113,91 @@ class ShardedSDPStrategy(SDPStrategy):
         # fully_shard made new (DTensor) parameters: point the trainables and the sync at
         # them. A piece's dimension is never the sharded one, so its local coordinates
         # hold on the shard; a replicated piece is averaged over all ranks of its holders.
-        params = dict(self.model.named_parameters())
-        self.subnet.trainable = list(self.model.parameters())
+        params = dict(model.named_parameters())
+        subnet.trainable = list(model.parameters())
         entries = []
-        for e in self.subnet.grad_entries:
-            shard = None if e.name in self.replicated else self.shard
+        for e in subnet.grad_entries:
+            shard = None if e.name in replicated else self.shard
             piece = Piece(params[e.name], e.piece.dim, e.piece.start, e.piece.length)
-            entries.append(GradEntry(self._ranks(e.holders, shard), e.kind, piece, e.name, e.full_dim, e.full_start))
+            holders = ranks_of(e.holders, shard, fsdp_degree=self.plan.fsdp_degree)
+            entries.append(GradEntry(holders, e.kind, piece, e.name, e.full_dim, e.full_start))
         return entries
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        norm = self.sync.global_norm(rank=self.rank)
-        coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-        grads = [local(p.grad) for p in self.subnet.trainable if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))  # each rank scales its own shards
-        return norm
 
-    def _optimizer_view(self, optimizer: torch.optim.Optimizer):
+class ShardedStateMover(StateMover):
+    """The state mover of a worker of F ranks: its optimizer state unsharded for the move, and
+    the placed state cut into the shards FSDP gave the new parameters."""
+
+    def view(self, installed: Installed, optimizer: torch.optim.Optimizer):
         # The worker's optimizer state, unsharded (collective within the worker, the same order
         # on its F ranks) onto the host, keyed by the parameters as they were before sharding.
         state = {}
-        for name, p in self.model.named_parameters():
-            state[self._unsharded[name]] = {
+        for name, p in installed.model.named_parameters():
+            state[installed.params[name]] = {
                 k: (v.full_tensor() if isinstance(v, DTensor) else v).to(HOST)
                 for k, v in optimizer.state.get(p, {}).items()
             }
         return SimpleNamespace(param_groups=[{"params": list(state)}], state=state)
 
-    def _set_state(self, optimizer: torch.optim.Optimizer, state: dict, scalars: dict) -> None:
+    def place(self, installed: Installed, optimizer: torch.optim.Optimizer, state: dict, scalars: dict) -> None:
         # One parameter at a time: its worker-level state is cut from the gathered full state,
         # then each rank keeps the shard FSDP gave it (the same placements as the parameter).
-        params = dict(self.model.named_parameters())
+        params = dict(installed.model.named_parameters())
         by_name: dict[str, list] = {}
-        for e in self.subnet.grad_entries:
+        for e in installed.subnet.grad_entries:
             by_name.setdefault(e.name, []).append(e)
         placed = {}
-        for name, unsharded in self._unsharded.items():
+        for name, unsharded in installed.params.items():
             p = params[name]
             full = place_state(state, scalars, by_name[name], [unsharded])[unsharded]
             placed[p] = {k: shard_like(p, v) for k, v in full.items()}
-        rebind(optimizer, self.subnet.trainable, placed)
+        rebind(optimizer, installed.subnet.trainable, placed)
 
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
-        # Collective within the worker: its F ranks gather every shard in the same order.
-        return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in named_tensors(self.model).items()}
 
-    def _rank_space(self, transfers: list[Transfer]) -> list[Transfer]:
-        # A worker's shard-0 rank sends for it (every rank of the worker has the gathered values).
-        return [Transfer(t.source * self.fsdp_degree, t.numel, t.src, t.dst) for t in transfers]
+class ShardedSDPStrategy(SDPStrategy):
+    """SDP over K = world / F workers, each sharding its subnetwork over F ranks with FSDP2."""
+
+    scale_grads = staticmethod(scale_shards)
+
+    def __init__(self, model: nn.Module, cfg, *, family: str, rank: int, world_size: int, parallel, **kwargs):
+        """As `SDPStrategy`, but `world_size` is the world (K x F) and `parallel` the parallelism
+        config (F = parallel.fsdp_degree); a `plan` is K workers' of F ranks."""
+        f = parallel.fsdp_degree
+        self.fsdp_degree, self.shard, self.parallel = f, rank % f, parallel
+        self.mesh = sdp_dist.device_mesh(kwargs["device"].type, (world_size // f, f), ("sdp", "fsdp"))
+        self.fsdp_mesh = self.mesh["fsdp"]
+        super().__init__(model, cfg, family=family, rank=rank, world_size=world_size // f, **kwargs)
+        # FSDP's policy casts the sharded weights to bf16; replicated ones (biases of held
+        # neurons) stay fp32 and would meet bf16 activations: autocast casts them.
+        if parallel.mixed_precision == "bf16" and self.plan.replicated:
+            self.autocast_dtype = torch.bfloat16
+
+    def _installer(self, prepare) -> Installer:
+        return ShardedInstaller(
+            self.plan,
+            rank=self.rank,
+            device=self.device,
+            prepare=prepare,
+            mesh=self.mesh,
+            parallel=self.parallel,
+            comm=self.comm,
+        )
+
+    def _mover(self, bucket_cap_mb: float) -> StateMover:
+        return ShardedStateMover(
+            self.assembly, rank=self.rank, comm=self.comm, bucket_cap_mb=bucket_cap_mb, device=self.device
+        )
+
+    def comm_groups(self) -> int:
+        # The holder sets' groups of this rank's shard index (the mesh's sdp-dimension group
+        # among them) and the mesh's fsdp-dimension group.
+        return super().comm_groups() + (1 if self.fsdp_mesh.size() > 1 else 0)
 
     def describe(self) -> dict:
-        replicated = sum(self.shapes[n].numel() for n in self.replicated)
+        replicated = sum(self.shapes[n].numel() for n in self.plan.replicated)
         return {
             **super().describe(),
             "fsdp_degree": self.fsdp_degree,
-            "sdp_workers": self.world_size,
+            "sdp_workers": self.plan.workers,
             "replicated_params": replicated,  # (full-model elements) kept whole on each rank of a worker
         }

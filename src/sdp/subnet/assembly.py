@@ -1,0 +1,137 @@
+"""The plain model from this rank's subnetwork, current on every rank (collective).
+
+Forward masking assembles it: each unit from one of its holders, the shared tensors from this
+rank. Backward masking has every weight already (the refresh keeps the non-held ranges current);
+only the held units' buffers (BatchNorm statistics) come from their holders. What evaluation,
+`model.pt`, checkpoints and resampling read.
+
+Chunk holders are workers; under SDP x FSDP (F > 1) a worker's tensors are first gathered
+from its F ranks and its shard-0 rank sends for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from sdp.metrics.comm import CommCounter
+from sdp.subnet import resolved_scale
+from sdp.subnet.apply import backward_buffer_sync, fold_eval_scaling, forward_assembly, named_tensors
+from sdp.subnet.install import Installed
+from sdp.subnet.plan import SubnetPlan
+from sdp.subnet.sync import Transfer, broadcast_from_holders
+
+
+def rank_space(transfers: list[Transfer], *, fsdp_degree: int) -> list[Transfer]:
+    """Transfers whose sources are workers, with ranks as sources: a worker's shard-0 rank sends
+    for it (every rank of the worker has the gathered values)."""
+    if fsdp_degree == 1:
+        return transfers
+    return [Transfer(t.source * fsdp_degree, t.numel, t.src, t.dst) for t in transfers]
+
+
+def unsharded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The subnetwork's tensors by name, unsharded (SDP x FSDP: collective within the worker, its
+    F ranks gather every shard in the same order)."""
+    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in named_tensors(model).items()}
+
+
+class Assembler:
+    """The full plain model, with the current weights and buffers, from this rank's subnetwork."""
+
+    def __init__(
+        self,
+        plan: SubnetPlan,
+        *,
+        rank: int,
+        comm: CommCounter,
+        bucket_cap_mb: float,
+        device: torch.device,
+        make_plain: Callable[[], nn.Module],
+    ):
+        """`make_plain` builds a full plain model on `device`, which assembly overwrites."""
+        self.plan, self.rank, self.comm, self.bucket_cap_mb, self.device = plan, rank, comm, bucket_cap_mb, device
+        self.make_plain = make_plain
+        self.worker = plan.worker_of(rank)
+
+    def rank_space(self, transfers: list[Transfer]) -> list[Transfer]:
+        return rank_space(transfers, fsdp_degree=self.plan.fsdp_degree)
+
+    def fresh_plain(self) -> nn.Module:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            return self.make_plain()  # its random init must not move the training RNG streams
+
+    def _broadcast(self, transfers: list[Transfer], *, comm: CommCounter | None, kind: str) -> None:
+        broadcast_from_holders(
+            transfers, rank=self.rank, comm=comm, kind=kind, bucket_cap_mb=self.bucket_cap_mb, device=self.device
+        )
+
+    @torch.no_grad()
+    def assemble(self, installed: Installed, *, fold_eval_scale: bool, comm_kind: str | None = None) -> nn.Module:
+        """The full plain model, gathered from the holders (forward masking); with
+        `fold_eval_scale`, as evaluated (masking.scale=eval_coverage folded into its weights).
+        With `comm_kind`, the bytes sent are counted under that kind."""
+        spec = self.plan.spec
+        full = self.fresh_plain()
+        local = unsharded_tensors(installed.model)
+        for name in spec.shared_params:
+            full.get_parameter(name).copy_(local[name])
+        transfers = self.rank_space(forward_assembly(local, full, spec, installed.chunks, rank=self.worker))
+        self._broadcast(transfers, comm=self.comm if comm_kind else None, kind=comm_kind or "assembly")
+        if fold_eval_scale and resolved_scale(self.plan.cfg) == "eval_coverage":
+            fold_eval_scaling(full, spec, installed.mask.holders / installed.mask.num_workers)
+        return full
+
+    def sync_buffers(self, installed: Installed, *, comm: CommCounter | None, kind: str) -> None:
+        """Backward masking: every held unit's buffers (BatchNorm statistics) from its holder."""
+        transfers = backward_buffer_sync(installed.model, self.plan.spec, installed.chunks, rank=self.rank)
+        self._broadcast(transfers, comm=comm, kind=kind)
+
+    @torch.no_grad()
+    def full_parameters(self, installed: Installed) -> dict[str, torch.Tensor]:
+        """Every parameter of the plain model by its plain name (collective; backward masking's
+        refresh must have finished)."""
+        if self.plan.cfg.name == "forward":
+            return dict(self.assemble(installed, fold_eval_scale=False).named_parameters())
+        out = {}
+        for name in self.plan.shapes:
+            owner_path, _, attr = name.rpartition(".")
+            owner = installed.model.get_submodule(owner_path) if owner_path else installed.model
+            out[name] = owner._buffers.get(f"{attr}_full", getattr(owner, attr))
+        return out
+
+    @torch.no_grad()
+    def current_plain_model(self, installed: Installed, *, counted: bool = True) -> nn.Module:
+        """A plain model with the current weights and buffers, on every rank (collective); the
+        bytes sent are counted as resample traffic when `counted`."""
+        if self.plan.cfg.name == "forward":
+            return self.assemble(installed, fold_eval_scale=False, comm_kind="resample" if counted else None)
+        self.sync_buffers(installed, comm=self.comm if counted else None, kind="resample")
+        full = self.fresh_plain()
+        params = self.full_parameters(installed)  # current everywhere: the weight refresh ran after the step
+        for name, p in full.named_parameters():
+            p.copy_(params[name])
+        buffers = dict(installed.model.named_buffers())
+        for name, b in full.named_buffers():
+            b.copy_(buffers[name])
+        return full
+
+    def eval_model(self, installed: Installed) -> nn.Module:
+        """The model evaluation runs: backward masking's own (its held buffers synced), forward
+        masking's assembled one (collective)."""
+        if self.plan.cfg.name == "backward":
+            self.sync_buffers(installed, comm=None, kind="eval")
+            return installed.model
+        return self.assemble(installed, fold_eval_scale=True)
+
+    def plain_state_dict(self, installed: Installed, eval_model: nn.Module) -> dict[str, torch.Tensor]:
+        """The state dict of `eval_model` (from `eval_model`) under the plain model's names."""
+        if self.plan.cfg.name == "forward":
+            return eval_model.state_dict()  # the assembled plain model
+        # Backward masking evaluates its own model: drop the held-range views and put
+        # the full weights back under their plain names.
+        state = {k: v for k, v in eval_model.state_dict().items() if "_held_ranges." not in k}
+        return {**state, **self.full_parameters(installed)}
