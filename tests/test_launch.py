@@ -128,5 +128,5 @@ def test_ctrl_c_stops_every_worker_with_a_checkpoint_in_one_line(tmp_path):
     from sdp.dist import World
     from sdp.run.preflight import preflight
 
-    _, resume = preflight(argv, World(0, 0, 2))  # the same command resumes from there
+    resume = preflight(argv, World(0, 0, 2)).resume  # the same command resumes from there
     assert [c.step for c in resume.candidates] == [step]

@@ -171,7 +171,7 @@ def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tmp_path / "link").symlink_to(first)
     for spelling in (f"{first}/", "first", "./first/", "link", f"{tmp_path}/link/"):
-        _, resume = preflight([*TINY, *COMMON, f"run_dir={spelling}"], World(0, 0, 1))
+        resume = preflight([*TINY, *COMMON, f"run_dir={spelling}"], World(0, 0, 1)).resume
         assert [c.step for c in resume.candidates] == [3], spelling
     first.rename(tmp_path / "moved")
     (tmp_path / "link").unlink()

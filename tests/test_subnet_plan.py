@@ -1,11 +1,15 @@
 """SDP's plan without a process group, and the plan against what the strategy installs."""
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed
-from conftest import tiny_model_cfg
+from conftest import job_env, tiny_model_cfg
+from ranks import run_ranks
 
 from sdp import dist
 from sdp.errors import ConfigError
@@ -16,6 +20,7 @@ from sdp.subnet import MaskingConfig
 from sdp.subnet.plan import SubnetPlan, validate_plan
 from sdp.subnet.sharded import ShardedSDPStrategy
 from sdp.subnet.strategy import SDPStrategy, planned_comm_groups
+from sdp.train import main
 
 CPU = torch.device("cpu")
 K = 4
@@ -147,3 +152,37 @@ def test_a_plan_of_another_run_is_refused():
     plan = plan_of("llama", MaskingConfig(name="forward", coverage=0.5))
     with pytest.raises(ValueError, match="is not this strategy's"):
         installed("llama", MaskingConfig(name="forward", coverage=1.0), 0, plan)
+
+
+def count_plans(argv: list[str]) -> int:
+    """One forked rank (tests/ranks.py) of the run below: `sdp.train.main(argv)` with every
+    plan built and every plan a strategy was handed counted, into ./plans_RANK.json."""
+    built, handed = [], []
+    real_build, real_init = SubnetPlan.build.__func__, SDPStrategy.__init__
+
+    def build(cls, *args, **kwargs):
+        built.append(real_build(cls, *args, **kwargs))
+        return built[-1]
+
+    def init(self, *args, plan=None, **kwargs):
+        handed.append(plan)
+        real_init(self, *args, plan=plan, **kwargs)
+
+    SubnetPlan.build, SDPStrategy.__init__ = classmethod(build), init
+    code = main(argv)
+    same = [any(p is b for b in built) for p in handed]
+    Path(f"plans_{os.environ['RANK']}.json").write_text(json.dumps({"built": len(built), "handed": same}))
+    return code
+
+
+@pytest.mark.dist
+def test_a_run_builds_its_plan_once_and_hands_it_to_the_strategy(tmp_path):
+    """The preflight's checks build the plan (the model on the meta device, the mask, the holder
+    sets); the run hands that plan to the strategy instead of building it again."""
+    argv = ["model=llama_tiny", "dataset=synthetic_text", "masking=backward", "masking.coverage=0.5"]
+    argv += ["trainer.max_steps=2", "trainer.global_batch_size=4", "logger=none", "trainer.progress=false"]
+    argv += ["trainer.save_model=false", "trainer.export=none", "trainer.eval_every=0", f"run_dir={tmp_path / 'run'}"]
+    proc = run_ranks("test_subnet_plan:count_plans", argv, nproc=2, cwd=tmp_path, env=job_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"plans_{rank}.json").read_text()) == {"built": 1, "handed": [True]}

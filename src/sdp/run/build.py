@@ -19,6 +19,7 @@ from sdp.parallel.fsdp import FSDPStrategy
 from sdp.run.baselines import BASELINES, apply_unit_noise
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp
+from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.sharded import ShardedSDPStrategy
 from sdp.subnet.strategy import SDPStrategy
 
@@ -31,14 +32,19 @@ def build_strategy(
     comm: CommCounter,
     build: Callable[[Any], torch.nn.Module] = build_model,
     mask_epoch: int = 0,
+    ddp: type[DDPStrategy] = DDPStrategy,
+    plan: SubnetPlan | None = None,
 ) -> Strategy:
     """The full model, initialised alike on every rank, under DDP, FSDP or SDP, with activation
     checkpointing and mixed precision applied from outside it.
 
     `build(model_cfg)` makes a plain model (the estimator passes one that makes fake tensors);
-    `mask_epoch` is the SDP mask epoch to start in (a resumed run's).
+    `mask_epoch` is the SDP mask epoch to start in (a resumed run's); `ddp` is DDP's strategy
+    (the estimator passes one with its model of DDP's reducer, which cannot run on fake tensors);
+    `plan` is SDP's plan as the preflight built it (None: the strategy builds its own).
     """
-    strategy = _wrapped(cfg, world=world, device=device, comm=comm, build=build, mask_epoch=mask_epoch)
+    made = dict(build=build, mask_epoch=mask_epoch, ddp=ddp, plan=plan)
+    strategy = _wrapped(cfg, world=world, device=device, comm=comm, **made)
     strategy.loss_in_model = computes_loss(cfg.model)
     strategy.compiled = compiled_on(cfg.parallelism, device)
     return strategy
@@ -57,6 +63,8 @@ def _wrapped(
     comm: CommCounter,
     build: Callable[[Any], torch.nn.Module],
     mask_epoch: int,
+    ddp: type[DDPStrategy],
+    plan: SubnetPlan | None,
 ) -> Strategy:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     par = cfg.parallelism
@@ -77,7 +85,7 @@ def _wrapped(
         checkpointing(model)
         if par.name == "fsdp":
             return FSDPStrategy(model, par, family=cfg.model.family, device=device, comm=comm)
-        return DDPStrategy(model, par, device=device, comm=comm)
+        return ddp(model, par, device=device, comm=comm)
 
     def make_plain() -> torch.nn.Module:
         with torch.device(device):
@@ -95,6 +103,7 @@ def _wrapped(
         epoch=mask_epoch,
         overlap=par.overlap_comm,
         compiled=compiled,
+        plan=plan,
     )
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)

@@ -35,7 +35,7 @@ from sdp.paths import CONF_DIR
 from sdp.redact import redact
 from sdp.run.trainer import TrainerConfig, validate_trainer
 from sdp.subnet import MaskingConfig, is_sdp, sdp_workers, validate_masking, validate_sdp_x_fsdp
-from sdp.subnet.strategy import validate_plan
+from sdp.subnet.plan import SubnetPlan, validate_plan
 
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
 
@@ -267,9 +267,11 @@ def check_numbers(node, prefix: str = "") -> None:
             raise ConfigError(key, value, "must fit in a 64-bit integer, [-2**63, 2**63 - 1]")
 
 
-def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool = True) -> None:
+def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool = True) -> SubnetPlan | None:
     """Every check that can run before the process group starts (`check_data=False`: all but
-    those that look at the data, for the memory estimator, which feeds shaped dummies)."""
+    those that look at the data, for the memory estimator, which feeds shaped dummies). Returns
+    SDP's plan, which the mask's checks built (the model on the meta device, its units, the mask,
+    the holder sets), for the run to hand on to its strategy; None for a run without SDP."""
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ConfigError("seed", cfg.seed, "must be an integer")
     check_numbers(cfg)
@@ -281,9 +283,11 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
     validate_masking(cfg.masking)
     validate_parallel(cfg.parallelism)
     validate_sdp_x_fsdp(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    plan = None
     if is_sdp(cfg.masking.name):  # builds the model on the meta device, as below
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-        validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=cfg.trainer.max_steps)
+        steps = cfg.trainer.max_steps
+        plan = validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=steps)
     else:
         build_on_meta(cfg.model)  # a shape the model's library refuses: one line, before any process group
     validate_optim(cfg.optim)
@@ -307,6 +311,7 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
         raise ConfigError(
             "model.img_size", cfg.model.img_size, f"must equal dataset.image_size={cfg.dataset.image_size}"
         )
+    return plan
 
 
 def typed_config(overrides: list[str]) -> RunConfig:

@@ -5,12 +5,14 @@ dir (what it resumes from). Bad input is one ConfigError naming a key; nothing i
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 from sdp import dist, rundir
 from sdp.errors import ConfigError
 from sdp.run.checkpoint import Resume, check_resume, complete_checkpoints
-from sdp.run.config import RunConfig, load_config, typed_config, validate
+from sdp.run.config import RunConfig, typed_config, validate
+from sdp.subnet.plan import SubnetPlan
 
 
 def check_run_dir(cfg: RunConfig) -> Resume | None:
@@ -67,11 +69,22 @@ def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -
     )
 
 
-def preflight(overrides: list[str], world: dist.World) -> tuple[RunConfig, Resume | None]:
+@dataclass
+class Checked:
+    """What the checks found, handed on to the run: its config, what it resumes from (None for a
+    new run), and SDP's plan (None without SDP), built once here for the strategy to take over."""
+
+    cfg: RunConfig
+    resume: Resume | None
+    plan: SubnetPlan | None
+
+
+def preflight(overrides: list[str], world: dist.World) -> Checked:
     """Every check before any process group: the config for this world size, then the run dir
     (what it resumes from); one ConfigError naming a key when the input is bad. Writes nothing."""
     try:
-        cfg = load_config(overrides, world_size=world.world_size, offline=dist.hub_offline())
-        return cfg, check_run_dir(cfg)
+        cfg = typed_config(overrides)
+        plan = validate(cfg, world_size=world.world_size, offline=dist.hub_offline())
+        return Checked(cfg, check_run_dir(cfg), plan)
     except ConfigError as err:
         raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None

@@ -36,7 +36,7 @@ from sdp.run.config import RunConfig, record_yaml
 from sdp.run.measure import Meter
 from sdp.run.nonfinite import NonFinitePolicy
 from sdp.run.outcome import export_model, peer_lost, print_result, resume_hint, save_summary, write_failure
-from sdp.run.preflight import preflight
+from sdp.run.preflight import Checked, preflight
 from sdp.run.signals import StopSignals
 from sdp.run.trainer import Evaluation, micro_batch_size, train
 from sdp.rundir import Summary, variant_label
@@ -104,9 +104,10 @@ def pick_checkpoint(resume: Resume | None, *, world: dist.World) -> Checkpoint |
     return ckpt
 
 
-def run(cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> Summary:
-    """Train one configured run on this rank, from the start or from the newest intact
-    checkpoint of `resume`; rank 0 writes the run dir, and its summary.json however the run ends."""
+def run(checked: Checked, world: dist.World) -> Summary:
+    """Train the run `preflight` checked on this rank, from the start or from the newest intact
+    checkpoint it found; rank 0 writes the run dir, and its summary.json however the run ends."""
+    cfg, resume = checked.cfg, checked.resume
     device = dist.select_device(cfg.trainer.device, world, share=cfg.parallelism.backend == "gloo")
     backend = dist.default_backend(device) if cfg.parallelism.backend == "auto" else cfg.parallelism.backend
     dist.init_process_group(world, backend=backend, device=device, timeout_s=cfg.parallelism.timeout_s)
@@ -127,7 +128,7 @@ def run(cfg: RunConfig, world: dist.World, resume: Resume | None = None) -> Summ
             resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
             job_type=pivot_keys(cfg)["variant"],
         )
-        built = _build(cfg, world=world, device=device, ckpt=ckpt)
+        built = _build(cfg, world=world, device=device, ckpt=ckpt, plan=checked.plan)
         summary.resumes = resume_history(ckpt, world=world)
         summary.n_params = built.strategy.full_params
         summary.throughput_unit = "tokens/s" if built.data.kind == "text" else "samples/s"
@@ -226,7 +227,7 @@ class Built:
     measured: dict | None
 
 
-def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Checkpoint | None) -> Built:
+def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Checkpoint | None, plan) -> Built:
     """Collective: the data (rank 0 prepares it first), the model, optimizer and schedule."""
     start_step = ckpt.step if ckpt else 0
     if world.is_main:
@@ -246,7 +247,7 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
     every = cfg.masking.resample_every
     # A checkpoint is taken after the step's resample: it holds the next mask epoch's subnetwork.
     mask_epoch = start_step // every if every else 0
-    strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch)
+    strategy = build_strategy(cfg, world=world, device=device, comm=comm, mask_epoch=mask_epoch, plan=plan)
     # Initial weights were drawn alike on every rank; from here on each rank draws its own
     # dropout, drop-path and baseline masks.
     torch.manual_seed(cfg.seed + world.rank)
@@ -347,7 +348,7 @@ def main(overrides: list[str]) -> int:
     before any process group), 3 a diagnosed failure (one line)."""
     world = dist.world_from_env()
     try:
-        cfg, resume = preflight(overrides, world)
+        checked = preflight(overrides, world)
     except ConfigError as err:
         dist.print0(world, f"error: {err}", file=sys.stderr)
         if not world.is_main:
@@ -356,7 +357,7 @@ def main(overrides: list[str]) -> int:
             time.sleep(2)
         return 2
     try:
-        summary = run(cfg, world, resume=resume)
+        summary = run(checked, world)
     except RunFailed as err:  # diagnosed (and in summary.json once it exists): one line, no traceback
         if err.reporter if isinstance(err, PeerLost) else world.is_main:
             print(redact_text(f"error: {err}"), file=sys.stderr, flush=True)
