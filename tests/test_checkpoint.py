@@ -21,15 +21,8 @@ from torch import nn
 from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.parallel import DDPStrategy, ParallelConfig
-from sdp.run.checkpoint import (
-    CheckpointTarget,
-    SavedState,
-    check_resume,
-    choose_checkpoint,
-    complete_checkpoints,
-    load_checkpoint,
-    write_checkpoint,
-)
+from sdp.run.checkpoint import CheckpointTarget, SavedState, complete_checkpoints, write_checkpoint
+from sdp.run.resume import check_resume, choose_checkpoint, load_checkpoint
 
 CONFIG = {"model": {"name": "tiny"}, "trainer": {"max_steps": 10}}
 WORLD = dist.World(rank=0, local_rank=0, world_size=1)

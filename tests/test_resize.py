@@ -13,9 +13,10 @@ from test_resume import COMMON, TINY
 
 from sdp.errors import ConfigError
 from sdp.models import build_on_meta
-from sdp.run.checkpoint import complete_checkpoints, read_portable
+from sdp.run.checkpoint import complete_checkpoints
 from sdp.run.config import load_config
 from sdp.run.preflight import resize_refusal
+from sdp.run.resume import read_portable
 
 RUN = [*TINY, *COMMON, "trainer.checkpoint_every=0"]  # llama_tiny, 6 steps, a log record per step
 MODES = {

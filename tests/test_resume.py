@@ -11,7 +11,8 @@ from conftest import launch, read_run
 
 from sdp.data import build_data
 from sdp.errors import ConfigError
-from sdp.run.checkpoint import check_resume, complete_checkpoints, first_difference, resume_view
+from sdp.run.checkpoint import complete_checkpoints
+from sdp.run.resume import check_resume, first_difference, resume_view
 from sdp.rundir import truncate_metrics
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]

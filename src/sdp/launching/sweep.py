@@ -56,9 +56,9 @@ from sdp.errors import ConfigError
 from sdp.launching.variants import launch
 from sdp.redact import redact, redact_text
 from sdp.run import runner
-from sdp.run.checkpoint import check_completed
 from sdp.run.config import load_config
 from sdp.run.preflight import check_run_dir
+from sdp.run.resume import check_completed
 from sdp.rundir import read_summary, run_status
 
 SWEEP_KEYS = (

@@ -1,4 +1,6 @@
-"""Resumable runs: per-rank checkpoints in the run dir, and the checks before a resume.
+"""Writing a run's checkpoints: per-rank files in the run dir, published whole or not at all.
+Reading them back (the checks before a resume, the choice of an intact one, loading it on any
+world size) is `sdp.run.resume`.
 
 Layout: `RUN_DIR/checkpoints/step_00000120/` holds one `rank00003.pt` per rank
 that owns distinct state, and `meta.json`, with a manifest of those files (size
@@ -24,15 +26,10 @@ RNG streams are drawn anew from (seed, rank, step). The data position, the lr
 schedule and the mask epoch follow from the step. The config must be the same
 (checked before any process group starts).
 
-Before loading, the ranks check the newest checkpoint's files against its
-manifest (each rank a share of the files); a damaged one is skipped, with a
-warning, for the one before it. Files are loaded with `weights_only=True`:
-loading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -49,10 +46,8 @@ import torch
 
 from sdp import dist
 from sdp.dist import local
-from sdp.errors import ConfigError
 from sdp.parallel import PortableState, Strategy
-from sdp.paths import read_yaml_mapping
-from sdp.rundir import CHECKPOINTS, CONFIG, METRICS, run_status, write_error, write_json_atomic
+from sdp.rundir import CHECKPOINTS, write_error, write_json_atomic
 
 # meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
 FORMAT = 2
@@ -90,125 +85,6 @@ def complete_checkpoints(run_dir: Path, problems: list[str] | None = None) -> li
     return sorted(out, key=lambda c: c.step)
 
 
-# What a resume may change: where the run lives (a run dir is the run, however its path is
-# spelled: relative, with a trailing slash, through a symlink, or after the directory was
-# moved), settings that do not change what a run computes, and parallelism.fsdp_degree, which
-# like the world size only changes K (checkpoints are portable: the state is re-cut).
-RESUME_MAY_CHANGE = (
-    "run_dir",
-    "output_root",
-    "name",
-    "logger",
-    "trainer.progress",
-    "trainer.stop_at_step",
-    "trainer.checkpoint_every",
-    "trainer.keep_checkpoints",
-    "trainer.on_nonfinite",
-    "trainer.max_nonfinite_skips",
-    "parallelism.timeout_s",
-    "parallelism.fsdp_degree",
-)
-
-
-def resume_view(config: dict | None) -> dict | None:
-    """A copy of a resolved config without the keys a resume may change: what a resume compares
-    (the current launch's with the one its checkpoint recorded, either side of any version)."""
-    if not isinstance(config, dict):
-        return config
-    config = copy.deepcopy(config)
-    for dotted in RESUME_MAY_CHANGE:
-        *path, last = dotted.split(".")
-        node = config
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return config
-
-
-def first_difference(a, b, prefix: str = "") -> str | None:
-    """The first dotted key where two nested config containers differ, as 'key: old -> new'."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            if key not in a or key not in b:
-                return f"{prefix}{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
-            diff = first_difference(a[key], b[key], f"{prefix}{key}.")
-            if diff:
-                return diff
-        return None
-    return None if a == b else f"{prefix.rstrip('.')}: {a!r} -> {b!r}"
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What a launch resumes from: the run dir's complete checkpoints, newest first (the
-    ranks pick the newest intact one once the process group is up, `choose_checkpoint`),
-    and the damaged meta.json files met on the way."""
-
-    candidates: list[Checkpoint]
-    problems: list[str]
-
-
-def check_resume(run_dir: Path, config: dict, *, restarted: bool = False) -> Resume | None:
-    """Before any process group starts: the checkpoints this launch may resume from (None: a
-    new run), or one ConfigError when the run dir cannot be started or resumed with this config.
-
-    `restarted`: this launch is a torchrun restart of the job that made the run dir; if that
-    job died before its first checkpoint, it starts again from step 0 (no candidates). The
-    world size may differ from the checkpoint's (the config was validated for this one)."""
-    if run_status(run_dir) == "completed":  # a damaged summary is rewritten by the resumed run
-        raise ConfigError("run_dir", str(run_dir), "holds a completed run; choose a new run_dir")
-    problems: list[str] = []
-    found = complete_checkpoints(run_dir, problems)
-    if not found:
-        if restarted and not problems:
-            return Resume(candidates=[], problems=[])
-        if (run_dir / METRICS).exists():
-            damaged = f" ({'; '.join(problems)})" if problems else ""
-            raise ConfigError(
-                "run_dir",
-                str(run_dir),
-                f"holds a run without a complete checkpoint to resume from{damaged}; choose a new run_dir",
-            )
-        return None
-    newest = found[-1]
-    config = resume_view(config)
-    diff = first_difference(resume_view(newest.meta.get("config")), config)
-    if diff:
-        raise ConfigError(
-            "run_dir", str(run_dir), f"holds a run with another config ({diff}); resume with the same settings"
-        )
-    if newest.meta.get("format") != FORMAT:
-        raise ConfigError(
-            "run_dir",
-            str(run_dir),
-            f"holds checkpoints of format {newest.meta.get('format', 1)}, this version reads format {FORMAT} "
-            "(portable across world sizes); resume it with the version that wrote it (commit 0eae61f or "
-            "earlier), or start a new run_dir",
-        )
-
-    # Older checkpoints of the same run are fallbacks only if they agree as well.
-    def agrees(c: Checkpoint) -> bool:
-        return c.meta.get("format") == FORMAT and not first_difference(resume_view(c.meta.get("config")), config)
-
-    return Resume(candidates=[c for c in reversed(found) if agrees(c)], problems=problems)
-
-
-def check_completed(run_dir: Path, config: dict) -> None:
-    """For a sweep's completed job: one ConfigError unless the run dir's config.yaml is the
-    config this job would run (as a resume compares them); a completed job is skipped only
-    when it ran the settings asked for now."""
-    recorded = read_yaml_mapping(run_dir / CONFIG)  # DamagedFile, naming it, when it cannot be read
-    diff = first_difference(resume_view(recorded), resume_view(config))
-    if diff:
-        raise ConfigError(
-            "run_dir",
-            str(run_dir),
-            f"holds a completed run with another config ({diff}); it is not run again: remove that run dir "
-            "or give the sweep another sweep.dir",
-        )
-
-
 def file_digest(path: Path) -> str:
     """SHA-256 of a file, read in 16 MiB pieces."""
     h = hashlib.sha256()
@@ -216,39 +92,6 @@ def file_digest(path: Path) -> str:
         while piece := f.read(1 << 24):
             h.update(piece)
     return h.hexdigest()
-
-
-def damage(ckpt: Checkpoint, names: list[str]) -> list[str]:
-    """What is wrong with these files of `ckpt` against its manifest ([] when they are intact)."""
-    manifest, out = ckpt.meta.get("files") or {}, []
-    for name in names:
-        path, want = ckpt.path / name, manifest.get(name)
-        if want is None:
-            out.append(f"{ckpt.path.name}/{name} is not in its manifest")
-        elif not path.is_file():
-            out.append(f"{ckpt.path.name}/{name} is missing")
-        elif path.stat().st_size != want["bytes"]:
-            out.append(f"{ckpt.path.name}/{name} has {path.stat().st_size} bytes, its manifest says {want['bytes']}")
-        elif file_digest(path) != want["sha256"]:
-            out.append(f"{ckpt.path.name}/{name} does not match its SHA-256 checksum")
-    return out
-
-
-def choose_checkpoint(resume: Resume, *, world: dist.World) -> tuple[Checkpoint | None, list[str]]:
-    """Collective: the newest candidate whose files are all intact, and what was wrong with the
-    ones skipped. Each rank checks every world_size-th file of the manifest, so the ranks read
-    the checkpoint once between them."""
-    problems = list(resume.problems)
-    for ckpt in resume.candidates:
-        names = sorted(ckpt.meta.get("files") or {})
-        if not names:  # every rank reads the same meta.json: no collective needed to agree
-            problems.append(f"{ckpt.path.name}/meta.json has no file manifest")
-            continue
-        found = [p for ps in dist.gather_objects(damage(ckpt, names[world.rank :: world.world_size])) for p in ps]
-        if not found:
-            return ckpt, problems
-        problems.extend(found)
-    return None, problems
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -265,22 +108,12 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, words, gauss_next = state["python"]
-    random.setstate((version, tuple(words), gauss_next))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def _finite(t: torch.Tensor) -> bool:
     t = local(t)
     return not t.is_floating_point() or bool(torch.isfinite(t).all())
 
 
-def _file(path: Path, rank: int) -> Path:
+def rank_file(path: Path, rank: int) -> Path:
     return path / f"rank{rank:05d}.pt"
 
 
@@ -397,7 +230,7 @@ def _write_part(prepared: _Prepared, state: SavedState, *, step: int, measured) 
     from being written (caught: the ranks agree on it in phase 3)."""
     if prepared.error is not None:
         return {}, prepared.error
-    world, path = state.world, _file(prepared.tmp, state.world.rank)
+    world, path = state.world, rank_file(prepared.tmp, state.world.rank)
     try:
         saved = _rank_state(
             step, prepared.portable, state.scheduler, world=world, device=state.device, measured=measured
@@ -518,50 +351,3 @@ class Checkpointer:
             "checkpoints_written": self.written,
             "checkpoint_time_s": self.seconds,
         }
-
-
-def read_portable(ckpt: Checkpoint) -> tuple[PortableState, list[dict]]:
-    """The portable state of a checkpoint, put together from every rank's file, and the files'
-    contents in rank order (their RNG streams and measurements)."""
-    parts = [torch.load(ckpt.path / name, map_location="cpu", weights_only=True) for name in sorted(ckpt.meta["files"])]
-    main = parts[0]
-    if int(main["step"]) != ckpt.step:
-        raise RuntimeError(f"checkpoint {ckpt.path} holds step {main['step']}, its meta.json says {ckpt.step}")
-    model = {n: t for part in parts for n, t in part["model"].items()}
-    optim = {key: {n: t for part in parts for n, t in part["optim"][key].items()} for key in main["optim"]}
-    return PortableState(model, optim, main["scalars"], main["groups"]), parts
-
-
-@torch.no_grad()
-def load_checkpoint(
-    ckpt: Checkpoint, *, strategy, optimizer: torch.optim.Optimizer, scheduler, world: dist.World, device, seed: int
-) -> dict | None:
-    """Collective: restore the model, the optimizer state and the lr schedule of step ckpt.step,
-    cut for this rank by its strategy, on this world size or another. Returns this rank's saved
-    measurements (None on another world size: they described other ranks)."""
-    state, parts = read_portable(ckpt)
-    try:
-        strategy.load_portable_state(optimizer, state)
-    except (RuntimeError, KeyError, ValueError) as err:
-        raise RuntimeError(
-            f"checkpoint {ckpt.path} does not fit this run's model: {' '.join(str(err).split())[:400]} (a run "
-            "resumes only with the model it was checkpointed with)"
-        ) from err
-    scheduler.load_state_dict(parts[0]["scheduler"])
-    if ckpt.meta["world_size"] == world.world_size:
-        _set_rng_state(parts[world.rank]["rng"], device)
-        return parts[world.rank].get("measured")
-    _seed_streams(seed, rank=world.rank, step=ckpt.step, device=device)
-    return None
-
-
-def _seed_streams(seed: int, *, rank: int, step: int, device: torch.device) -> None:
-    """This rank's RNG streams drawn anew from (seed, rank, step): a resume on another world
-    size has no saved streams for its ranks."""
-    words = np.random.SeedSequence([seed, rank, step]).generate_state(2)
-    value = int(words[0]) << 32 | int(words[1])
-    torch.manual_seed(value)
-    np.random.seed(int(words[0]))
-    random.seed(value)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(value)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from sdp import dist, rundir
 from sdp.errors import ConfigError
-from sdp.run.checkpoint import Resume, check_resume, complete_checkpoints
+from sdp.run.checkpoint import complete_checkpoints
 from sdp.run.config import RunConfig, typed_config, validate
+from sdp.run.resume import Resume, check_resume
 from sdp.subnet.plan import SubnetPlan
 
 

@@ -22,21 +22,13 @@ from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact_text
 from sdp.run.build import build_strategy
-from sdp.run.checkpoint import (
-    Checkpoint,
-    Checkpointer,
-    CheckpointTarget,
-    Resume,
-    SavedState,
-    choose_checkpoint,
-    load_checkpoint,
-    write_checkpoint,
-)
+from sdp.run.checkpoint import Checkpoint, Checkpointer, CheckpointTarget, SavedState, write_checkpoint
 from sdp.run.config import RunConfig, record_yaml
 from sdp.run.measure import Meter
 from sdp.run.nonfinite import NonFinitePolicy
 from sdp.run.outcome import export_model, peer_lost, print_result, resume_hint, save_summary, write_failure
 from sdp.run.preflight import Checked, preflight
+from sdp.run.resume import Resume, choose_checkpoint, load_checkpoint
 from sdp.run.signals import StopSignals
 from sdp.run.trainer import Evaluation, micro_batch_size, train
 from sdp.rundir import Summary, variant_label
