@@ -31,7 +31,7 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import peak_flops
 from sdp.optim import build_optimizer
-from sdp.planning.estimator import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
+from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer, count_flops, measure_peak
@@ -70,8 +70,7 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
     micro = micro_batch_size(cfg.trainer, world_size=world_size)
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
-        with skip_ddp_shape_check():
-            strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter())
+        strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
         batches = itertools.repeat(dummy_batch(cfg, micro))
         timer = PhaseTimer(device)

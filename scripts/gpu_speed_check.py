@@ -42,7 +42,7 @@ from sdp import dist
 from sdp.data.prefetch import to_device
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
-from sdp.planning.estimator import busiest_rank, dummy_batch, estimate, skip_ddp_shape_check
+from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
@@ -74,8 +74,7 @@ def measure(cfg, *, world_size: int, rank: int, device: torch.device, steps: int
     micro = micro_batch_size(cfg.trainer, world_size=world_size)
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
-        with skip_ddp_shape_check():
-            strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter())
+        strategy = build_strategy(cfg, world=world, device=device, comm=CommCounter())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
         guard = None
         if skips_on_device(optimizer):  # as the trainer does: the NaN/Inf check on the device

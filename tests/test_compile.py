@@ -15,7 +15,7 @@ from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
-from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
@@ -146,10 +146,9 @@ def test_a_mask_resample_compiles_no_new_graph(monkeypatch, masking):
     micro = micro_batch_size(trainer, world_size=2)
     counts = []
     with dist.fake_process_group(1, 2):
-        with skip_ddp_shape_check():
-            strategy = build_strategy(
-                cfg, world=dist.World(rank=1, local_rank=0, world_size=2), device=CPU, comm=CommCounter()
-            )
+        strategy = build_strategy(
+            cfg, world=dist.World(rank=1, local_rank=0, world_size=2), device=CPU, comm=CommCounter()
+        )
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         batches = itertools.repeat(dummy_batch(cfg, micro))
         for step in range(1, 7):

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
-from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
@@ -42,10 +42,9 @@ def _host_reads(overrides: list[str], *, on_device: bool = True) -> int:
     cfg = load_config([*BASE, *overrides, "optim.implementation=fused"], world_size=2, offline=True, check_data=False)
     micro = micro_batch_size(cfg.trainer, world_size=2)
     with dist.fake_process_group(1, 2):
-        with skip_ddp_shape_check():
-            strategy = build_strategy(
-                cfg, world=dist.World(rank=1, local_rank=0, world_size=2), device=CPU, comm=CommCounter()
-            )
+        strategy = build_strategy(
+            cfg, world=dist.World(rank=1, local_rank=0, world_size=2), device=CPU, comm=CommCounter()
+        )
         optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=CPU)
         guard = NonFiniteGuard("stop", max_skips=0, device=CPU) if on_device else None
         batches = itertools.repeat(dummy_batch(cfg, micro))

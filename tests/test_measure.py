@@ -14,6 +14,8 @@ VARIANTS = {
     "ddp": ["masking=none"],
     "forward-neuron": ["masking=forward", "masking.coverage=0.5"],
     "backward-block": ["masking=backward", "masking.coverage=0.5", "masking.granularity=block"],
+    # The estimator's model of DDP's buckets under no_sync, against DDP's reducer.
+    "ddp-accumulation": ["masking=none", "trainer.grad_accum_steps=2"],
 }
 
 
@@ -80,6 +82,19 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
     # Same forward, same activation gradients; weight gradients only for held rows/columns.
     assert bwd["flops_per_step"] < ddp["flops_per_step"]
     assert bwd["memory"]["peak_bytes"] < ddp["memory"]["peak_bytes"]
+
+
+def test_the_estimators_ddp_all_reduces_the_last_micro_batch_in_full_buckets():
+    cfg = estimator_config([*TINY, *VARIANTS["ddp-accumulation"], "parallelism.bucket_cap_mb=0.25"])
+    est = estimate(cfg, world_size=2, rank=1)
+    grads, cap = est["memory"]["grads_bytes"], int(0.25 * 2**20)
+    buckets = [r["bytes"] for r in est["timeline"] if r["kind"] == "grad_sync"]
+    # One all-reduce a bucket of the synchronised micro-batch (none under no_sync), every bucket
+    # but the last filled to the cap, in all the gradients' bytes, as counted.
+    assert sum(buckets) == est["comm_bytes_per_step_by_kind"]["grad_sync"] == grads
+    assert len(buckets) > 2 and all(b >= cap for b in buckets[:-1]) and 0 < buckets[-1]
+    # The first micro-batch's gradients live outside the buckets until the last one's are copied in.
+    assert est["memory"]["peak_breakdown"]["grads"] == 2 * grads
 
 
 def test_untraceable_step_is_one_clear_error(monkeypatch):

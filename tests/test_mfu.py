@@ -12,7 +12,7 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import attention_heads, model_flops_per_token
 from sdp.optim import build_optimizer
-from sdp.planning.estimator import dummy_batch, skip_ddp_shape_check
+from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer, count_flops
@@ -33,8 +33,7 @@ def _one_rank(overrides: list[str], *, rank: int = 1, world_size: int = 2) -> tu
     micro = micro_batch_size(cfg.trainer, world_size=world_size)
     world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
-        with skip_ddp_shape_check():
-            strategy = build_strategy(cfg, world=world, device=CPU, comm=CommCounter())
+        strategy = build_strategy(cfg, world=world, device=CPU, comm=CommCounter())
         optimizer = build_optimizer(strategy.trainable(), cfg.optim)
         batches = itertools.repeat(dummy_batch(cfg, micro))
 

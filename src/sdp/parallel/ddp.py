@@ -37,51 +37,42 @@ class DDPStrategy(Strategy):
         self.plain = model
         self.full_params = sum(p.numel() for p in model.parameters())
         self.shared_params = self.full_params  # every parameter is held and averaged by every rank
-        self.model = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            # Gradients live in the all-reduce buckets: one copy of them, not two.
-            gradient_as_bucket_view=True,
-        )
-        self.model.register_comm_hook(comm, _counting_allreduce_hook)
+        self.model = self.wrap(model, cfg, device=device, comm=comm)
         # Exposed communication: from the last gradient the backward makes to the end of
         # backward(), where DDP's reducer waits for its last buckets.
         self.comm, self._last_grad = comm, None
         # Gradients made so far in this step, and in the step before: the last one is marked
         # (one CUDA event a step, not one per parameter).
         self._made, self._expected = 0, 0
-        # The step-time model's record of the reducer's buckets: [index, bytes] of the one filling.
-        self._cap, self._bucket = int(cfg.bucket_cap_mb * 2**20), [0, 0]
         comm.track_waits()
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_made)
 
+    def wrap(self, model: nn.Module, cfg: ParallelConfig, *, device: torch.device, comm: CommCounter) -> nn.Module:
+        """`model` under DistributedDataParallel, its all-reduces counted in `comm`. (The memory
+        estimator, which cannot run DDP's reducer on fake tensors, puts its model of it here.)"""
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            # Gradients live in the all-reduce buckets: one copy of them, not two.
+            gradient_as_bucket_view=True,
+            # A process group whose collectives move nothing (sdp.dist.fake_process_group: one
+            # process playing one rank of a job) has no peers: DDP's check that every rank's
+            # parameter shapes agree would compare with nothing, its broadcast would move nothing.
+            init_sync=dist.get_backend() != "fake",
+        )
+        ddp.register_comm_hook(comm, _counting_allreduce_hook)
+        return ddp
+
     def _grad_made(self, p) -> None:
         self._made += 1
         if self._made >= self._expected:
             self._last_grad = self.comm.start()
-        if self.comm.timeline is not None:  # the estimator's record of the reducer's buckets
-            self._bucket[1] += p.numel() * p.element_size()
-            if self._bucket[1] >= self._cap:
-                self._close_bucket()
-
-    def _close_bucket(self) -> None:
-        """A bucket of DDP's: after its first step the reducer buckets gradients in the order they
-        arrive, bucket_cap_mb each (the first too: DDP keeps a 1 MiB first bucket only when no cap
-        is given, and this strategy always gives one), and all-reduces each when full. (The
-        estimator cannot let the reducer rebuild: that reads tensor data.)"""
-        if self._bucket[1]:
-            self.comm.event("all_reduce", "grad_sync", self._bucket[1], tuple(range(dist.get_world_size())))
-        self._bucket = [self._bucket[0] + 1, 0]
 
     def after_backward(self) -> None:
         self._made, self._expected = 0, self._made
-        if self.comm.timeline is not None:
-            self._close_bucket()
-            self._bucket = [0, 0]
-            self.comm.need_pending(("grad_sync",))  # the reducer waited for its buckets in backward()
         if self._last_grad is not None:
             self.comm.stop(self._last_grad)
             self._last_grad = None

@@ -7,7 +7,9 @@ process group: tensors have shapes, dtypes and storages but no data, and no
 collective moves anything. As in a run (`trainer.profile_step`, 3 by default),
 the second step runs under the FLOP counter and the third under the live-tensor
 tracker, after the optimizer state exists. It returns the same memory breakdown as a run's
-`summary.json`, plus the communication bytes per step the rank would send.
+`summary.json`, plus the communication bytes per step the rank would send. Under DDP the
+strategy is the run's with `DDPBuckets`, the estimator's model of DDP's gradient buckets, in
+place of DistributedDataParallel, whose reducer cannot run on fake tensors.
 
 Sizes are those of the configured dtypes (fp32 today) and are the same on a
 CUDA device; the CUDA caching allocator adds its block rounding and
@@ -29,7 +31,7 @@ import itertools
 import time
 
 import torch
-import torch.nn.parallel.distributed as ddp_module
+import torch.distributed as torch_dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
@@ -38,6 +40,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
+from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
 from sdp.run.measure import PhaseTimer, measure_peak
@@ -91,19 +94,84 @@ def dummy_batch(cfg: RunConfig, micro: int) -> dict:
     return {"inputs": torch.randn(micro, 3, size, size), "targets": torch.randint(0, classes, (micro,))}
 
 
-class _KeepFirstBuckets:
-    """DDP's reducer, except that it keeps its first bucket layout. DDP re-buckets once,
-    after the first step, in gradient-arrival order, which reads tensor data; the
-    buckets hold the same bytes either way."""
+class DDPBuckets:
+    """The estimator's model of DDP's reducer under the strategy's settings
+    (`gradient_as_bucket_view=True`, a communication hook, every parameter used), as DDP's
+    documentation and Python source describe it. The reducer itself cannot run on fake
+    tensors: after the first step it re-buckets, which reads tensor data.
 
-    def __init__(self, reducer):
-        self._reducer = reducer
+    - Memory: the gradients live in flat bucket storage made when DDP is built: with
+      find_unused_parameters=False, DDP's first layout is one bucket per dtype (it re-buckets
+      after the first step into the same bytes). A gradient the backward makes afresh (after
+      `zero_grad(set_to_none=True)`) is copied into its view of the bucket and replaced by it,
+      as the reducer does.
+    - Traffic: from the second step the reducer fills buckets in the order the gradients
+      arrive, bucket_cap_mb each (the first too: DDP's smaller first bucket is only its
+      default, and the strategy always gives a cap), and all-reduces each when it is full.
+      Each is counted as `grad_sync` and, when a timeline is kept, recorded as an all-reduce
+      of the world; backward() ends waiting for them all.
+    - Under `no_sync()`, neither.
+    """
 
-    def _rebuild_buckets(self) -> bool:
-        return False
+    def __init__(self, model: torch.nn.Module, *, cap_mb: float, comm: CommCounter):
+        self.comm, self.cap, self.filling, self.syncing = comm, int(cap_mb * 2**20), 0, True
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            members = [p for p in params if p.dtype == dtype]
+            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=members[0].device)
+            start = 0
+            for p in members:
+                self.views[p] = flat[start : start + p.numel()].view_as(p)
+                start += p.numel()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
 
-    def __getattr__(self, name: str):
-        return getattr(self._reducer, name)
+    def _ready(self, p: torch.nn.Parameter) -> None:
+        if not self.syncing:
+            return
+        view = self.views[p]
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+        self.filling += p.numel() * p.element_size()
+        if self.filling >= self.cap:
+            self._all_reduce()
+
+    def _all_reduce(self) -> None:
+        if self.filling:
+            self.comm.add("grad_sync", self.filling)
+            self.comm.event("all_reduce", "grad_sync", self.filling, tuple(range(torch_dist.get_world_size())))
+        self.filling = 0
+
+    def end_backward(self) -> None:
+        """The last micro-batch's backward is over: its last bucket goes, and backward() has
+        waited for every bucket."""
+        self._all_reduce()
+        self.comm.need_pending(("grad_sync",))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+
+class TracedDDP(DDPStrategy):
+    """DDPStrategy on the plain model with `DDPBuckets` in place of DistributedDataParallel."""
+
+    def wrap(self, model: torch.nn.Module, cfg: ParallelConfig, *, device, comm: CommCounter) -> torch.nn.Module:
+        self.buckets = DDPBuckets(model, cap_mb=cfg.bucket_cap_mb, comm=comm)
+        return model
+
+    def no_sync(self):
+        return self.buckets.no_sync()
+
+    def after_backward(self) -> None:
+        self.buckets.end_backward()
+        super().after_backward()
 
 
 def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -124,19 +192,6 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
                 if t is not None:
                     table[name] = empty(t)
     return model
-
-
-@contextlib.contextmanager
-def skip_ddp_shape_check():
-    """DDP checks at construction that every rank's parameter shapes agree, through a
-    collective that reads tensor data: fake tensors have none and a fake process group
-    has no other ranks. One process playing one rank builds the model every rank would."""
-    check = ddp_module._verify_param_shape_across_processes
-    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        ddp_module._verify_param_shape_across_processes = check
 
 
 def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
@@ -167,10 +222,10 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
     with dist.fake_process_group(rank, world_size):
         try:
             if not is_sdp(cfg.masking.name):
-                with fake, skip_ddp_shape_check():
-                    strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build)
-                if cfg.parallelism.name == "ddp":
-                    strategy.model.reducer = _KeepFirstBuckets(strategy.model.reducer)
+                with fake:
+                    strategy = build_strategy(
+                        cfg, world=world, device=device, comm=comm, build=empty_build, ddp=TracedDDP
+                    )
             else:
                 # The mask and layout are plain integer bookkeeping: they run outside the
                 # fake mode, on the fake model's shapes.
