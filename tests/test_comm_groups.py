@@ -13,7 +13,7 @@ from sdp.run.config import typed_config
 from sdp.subnet import MaskingConfig
 from sdp.subnet.groups import joined, rank_sets
 from sdp.subnet.mask import build_mask
-from sdp.subnet.strategy import planned_comm_groups
+from sdp.subnet.plan import planned_comm_groups
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
 

@@ -7,7 +7,7 @@ from conftest import TINY_MODELS, tiny_model_cfg
 from sdp.models import build_model
 from sdp.subnet import MaskingConfig
 from sdp.subnet.apply import apply_forward_masking, fold_eval_scaling
-from sdp.subnet.strategy import plan_mask
+from sdp.subnet.plan import plan_mask
 
 
 def _plain(family: str):

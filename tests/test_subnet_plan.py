@@ -17,9 +17,9 @@ from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, build_on_meta
 from sdp.parallel import ParallelConfig
 from sdp.subnet import MaskingConfig
-from sdp.subnet.plan import SubnetPlan, validate_plan
+from sdp.subnet.plan import SubnetPlan, planned_comm_groups, validate_plan
 from sdp.subnet.sharded import ShardedSDPStrategy
-from sdp.subnet.strategy import SDPStrategy, planned_comm_groups
+from sdp.subnet.strategy import SDPStrategy
 from sdp.train import main
 
 CPU = torch.device("cpu")

@@ -46,7 +46,7 @@ from sdp.run.config import RunConfig
 from sdp.run.measure import PhaseTimer, measure_peak
 from sdp.run.trainer import micro_batch_size, train_step
 from sdp.subnet import is_sdp, sdp_workers
-from sdp.subnet.strategy import plan_mask, planned_comm_groups
+from sdp.subnet.plan import plan_mask, planned_comm_groups
 
 GIB = 2**30
 

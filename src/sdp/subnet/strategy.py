@@ -24,13 +24,10 @@ from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.assembly import Assembler
 from sdp.subnet.install import Installed, Installer
 from sdp.subnet.mask import Mask
-from sdp.subnet.plan import SubnetPlan, mask_of, plan_mask, planned_comm_groups, validate_plan
+from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.refresh import Refresh
 from sdp.subnet.state import StateMover
 from sdp.subnet.step import StepSync, scale_grads
-
-# The plan's functions live in sdp.subnet.plan; they stay importable from here.
-__all__ = ["SDPStrategy", "SubnetPlan", "mask_of", "plan_mask", "planned_comm_groups", "validate_plan"]
 
 
 class SDPStrategy(Strategy):
