@@ -112,7 +112,8 @@ def help_text(overrides: list[str]) -> str:
     lines += [f"  {g:<{width}}  {', '.join(group_options(g, dirs))}" for g in GROUPS]
     lines += ["", "Keys most runs set (key=value; the value these overrides give; any key of --cfg job works):"]
     width = max(len(k) for k in COMMON_KEYS)
-    lines += [f"  {k:<{width}}  {OmegaConf.select(OmegaConf.create(cfg.record), k)}" for k in COMMON_KEYS]
+    record = OmegaConf.create(cfg.record)
+    lines += [f"  {k:<{width}}  {OmegaConf.select(record, k)}" for k in COMMON_KEYS]
     lines += [
         "",
         f"Flags: {FLAGS}",
