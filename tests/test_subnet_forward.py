@@ -98,17 +98,22 @@ def test_batchnorm_recalibration_recomputes_statistics(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", TINY_MODELS)
-def test_folded_eval_scaling_equals_scaling_the_site_outputs(family):
+@pytest.mark.parametrize(
+    "family,capacity,shares",
+    [(f, None, [0.5] * 4) for f in TINY_MODELS] + [("llama", [1, 0.5, 0.5, 0.5], [0.75, 0.75, 0.5, 0.5])],
+)
+def test_folded_eval_scaling_equals_scaling_the_site_outputs(family, capacity, shares):
     """eval_coverage is folded into the output modules' weights: the plain model then computes
-    the full model with every block branch's output x C."""
-    masking = MaskingConfig(name="forward", granularity="block", coverage=0.5)
+    the full model with every block branch's output x the share of workers that hold the block
+    (C; with capacities [1, 0.5, 0.5, 0.5], 3 or 2 of the 4 workers)."""
+    masking = MaskingConfig(name="forward", granularity="block", coverage=0.5, capacity=capacity)
     hooked, folded = _plain(family).eval(), _plain(family).eval()
-    spec, _ = plan_mask(hooked, masking, family=family, world_size=4)
-    for group in spec.groups:
+    spec, mask = plan_mask(hooked, masking, family=family, world_size=4)
+    assert [len(mask.unit_holders(g)[0]) / 4 for g in range(len(spec.groups))] == shares
+    for group, share in zip(spec.groups, shares, strict=True):
         for out in group.outputs:
-            hooked.get_submodule(out).register_forward_hook(lambda mod, args, output: output * 0.5)
-    fold_eval_scaling(folded, spec, 0.5)
+            hooked.get_submodule(out).register_forward_hook(lambda mod, args, output, s=share: output * s)
+    fold_eval_scaling(folded, spec, mask)
     x = _input(family)
     torch.testing.assert_close(_out(folded, x), _out(hooked, x), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(_out(folded, x), _out(_plain(family).eval(), x))

@@ -34,7 +34,7 @@ from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.paths import CONF_DIR
 from sdp.redact import redact
 from sdp.run.trainer import TrainerConfig, validate_trainer
-from sdp.subnet import MaskingConfig, is_sdp, sdp_workers, validate_masking, validate_sdp_x_fsdp
+from sdp.subnet import MaskingConfig, capacity_coverage, is_sdp, sdp_workers, validate_masking, validate_sdp_x_fsdp
 from sdp.subnet.plan import SubnetPlan, validate_plan
 
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
@@ -328,8 +328,36 @@ def typed_config(overrides: list[str]) -> RunConfig:
         ) from None
     typed = to_typed(raw)
     typed.record = redact(OmegaConf.to_container(raw, resolve=True))
+    apply_capacity(typed, overrides)
     apply_protocol(typed)
     return typed
+
+
+def apply_capacity(cfg: RunConfig, overrides: list[str]) -> None:
+    """masking.capacity replaces masking.coverage, which becomes the capacities' mean (what the
+    run reports, the flop-matched protocol divides by, and the record holds); a coverage given
+    on the command line that says otherwise is refused."""
+    masking = cfg.masking
+    if masking.capacity is None or not masking.capacity or not all(0 < c <= 1 for c in masking.capacity):
+        return  # validate_masking refuses it
+    mean = capacity_coverage(masking)
+    given = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == "masking.coverage"]
+    if given and _as_float(given[-1]) != mean:
+        raise ConfigError(
+            "masking.coverage",
+            given[-1],
+            f"contradicts masking.capacity={masking.capacity}, whose mean {mean:g} is the run's coverage; "
+            "give one of the two",
+        )
+    masking.coverage = mean
+    cfg.record["masking"]["coverage"] = mean
+
+
+def _as_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def apply_protocol(cfg: RunConfig) -> None:

@@ -27,8 +27,9 @@ from sdp.rundir import CONFIG, METRICS, run_status
 
 # What a resume may change: where the run lives (a run dir is the run, however its path is
 # spelled: relative, with a trailing slash, through a symlink, or after the directory was
-# moved), settings that do not change what a run computes, and parallelism.fsdp_degree, which
-# like the world size only changes K (checkpoints are portable: the state is re-cut).
+# moved), settings that do not change what a run computes, and parallelism.fsdp_degree and
+# masking.capacity, which like the world size only change K or who holds what (checkpoints
+# are portable: the state is re-cut; the capacities' mean, masking.coverage, must stay).
 RESUME_MAY_CHANGE = (
     "run_dir",
     "output_root",
@@ -42,6 +43,7 @@ RESUME_MAY_CHANGE = (
     "trainer.max_nonfinite_skips",
     "parallelism.timeout_s",
     "parallelism.fsdp_degree",
+    "masking.capacity",
 )
 
 

@@ -82,6 +82,9 @@ class MaskingConfig:
     name: Masking = Masking.none
     granularity: Granularity = Granularity.neuron
     coverage: float = 1.0  # fraction of units each worker holds
+    # Each worker's own fraction, one per SDP worker (workers of different memory; sdp.subnet.capacity).
+    # When given, it replaces `coverage`, which becomes the capacities' mean. None: every worker has `coverage`.
+    capacity: list[float] | None = None
     construction: Construction = Construction.cyclic
     seed: int = 0  # the mask's seed (random construction), the same on every rank
     # Forward masking's rescaling, so that the full model used for evaluation sees
@@ -110,6 +113,8 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.coverage", cfg.coverage, "must be in (0, 1]")
     if cfg.name == "none" and cfg.coverage != 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "masking=none holds every unit: coverage must be 1.0")
+    if cfg.capacity is not None:
+        _validate_capacity(cfg)
     if cfg.seed < 0:  # numpy's generators take no negative seed
         raise ConfigError("masking.seed", cfg.seed, "must be >= 0")
     if cfg.bn_recalibration_batches < 0:
@@ -130,6 +135,29 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError(
             "masking.resample_every", cfg.resample_every, f"masking={cfg.name} has no mask to resample: must be 0"
         )
+
+
+def _validate_capacity(cfg: MaskingConfig) -> None:
+    """masking.capacity's own checks (its length and what the model's units allow are checked
+    with the world size and the model: sdp.subnet.capacity)."""
+    if not is_sdp(cfg.name):
+        raise ConfigError(
+            "masking.capacity", cfg.capacity, f"applies only to SDP (masking=backward|forward; here {cfg.name})"
+        )
+    if not cfg.capacity:
+        raise ConfigError("masking.capacity", cfg.capacity, "must list one capacity per worker, each in (0, 1]")
+    bad = [c for c in cfg.capacity if not 0.0 < c <= 1.0]
+    if bad:
+        raise ConfigError(
+            "masking.capacity", cfg.capacity, f"has {bad[0]:g}: each worker's share of the units must be in (0, 1]"
+        )
+
+
+def capacity_coverage(cfg: MaskingConfig) -> float:
+    """The run's coverage: the capacities' mean when masking.capacity is given, else masking.coverage."""
+    if cfg.capacity is None:
+        return cfg.coverage
+    return round(sum(cfg.capacity) / len(cfg.capacity), 9)
 
 
 def resolved_scale(cfg: MaskingConfig) -> str:

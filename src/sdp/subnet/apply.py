@@ -113,14 +113,14 @@ def apply_forward_masking(
             if held.size == 0:
                 parent, attr = _owner(model, group.name)
                 setattr(parent, attr, group.skip(model.get_submodule(group.name)))
-            elif scale == "inverse_coverage":
+            elif scale == "inverse_coverage":  # K / the block's holders: 1 / the share of workers that run it
                 for out in group.outputs:
-                    add_scale_hook(model.get_submodule(out), mask.num_workers / mask.holders)
+                    add_scale_hook(model.get_submodule(out), mask.num_workers / len(mask.unit_holders(g)[0]))
             continue
         if held.size == 0:
             raise ConfigError(
                 "masking.coverage",
-                mask.holders / mask.num_workers,
+                mask.capacity[rank],
                 f"leaves worker {rank} no unit of {group.name} ({group.num_units} {group.kind} units over "
                 f"{mask.num_workers} workers); raise the coverage or use masking.granularity=block",
             )
@@ -160,14 +160,21 @@ def _slice_tensor(model: nn.Module, lt: LocalTensor) -> None:
 
 
 @torch.no_grad()
-def fold_eval_scaling(full: nn.Module, spec: UnitSpec, coverage: float) -> None:
-    """Stochastic-depth style evaluation: every unit site's output x coverage, folded into the
-    weight and bias of the site's affine output module, so the plain model computes it."""
-    for name in sorted({out for group in spec.groups for out in group.outputs}):
+def fold_eval_scaling(full: nn.Module, spec: UnitSpec, mask: Mask) -> None:
+    """Stochastic-depth style evaluation: every unit site's output x the share of workers that
+    trained its units (the mean holders of the group's units / K: C for a uniform mask), folded
+    into the weight and bias of the site's affine output module, so the plain model computes it."""
+    factor = {}
+    for g, group in enumerate(spec.groups):
+        share = float(mask.holder_counts(g).sum()) / group.num_units / mask.num_workers
+        for out in group.outputs:
+            if factor.setdefault(out, share) != share:
+                raise ValueError(f"{out} is the output of unit groups trained by different shares of the workers")
+    for name in sorted(factor):
         module = full.get_submodule(name)
-        module.weight.mul_(coverage)
+        module.weight.mul_(factor[name])
         if module.bias is not None:
-            module.bias.mul_(coverage)
+            module.bias.mul_(factor[name])
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -82,7 +82,7 @@ class Assembler:
         transfers = self.rank_space(forward_assembly(local, full, spec, installed.chunks, rank=self.worker))
         self._broadcast(transfers, comm=self.comm if comm_kind else None, kind=comm_kind or "assembly")
         if fold_eval_scale and resolved_scale(self.plan.cfg) == "eval_coverage":
-            fold_eval_scaling(full, spec, installed.mask.holders / installed.mask.num_workers)
+            fold_eval_scaling(full, spec, installed.mask)
         return full
 
     def sync_buffers(self, installed: Installed, *, comm: CommCounter | None, kind: str) -> None:

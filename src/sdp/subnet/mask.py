@@ -76,17 +76,22 @@ class Mask:
     `chunk_holders[g][c]` the sorted workers holding chunk c of group g."""
 
     num_workers: int
-    holders: int  # r
+    holders: int | None  # r, the holders of every unit; None for workers of different capacities
     chunk_of: tuple[np.ndarray, ...]
     chunk_holders: tuple[tuple[tuple[int, ...], ...], ...]
     # The holder that sends chunk c of group g to the other workers (weight refresh,
     # assembly): spread so that every worker sends about the same amount.
     chunk_source: tuple[tuple[int, ...], ...]
+    capacity: tuple[float, ...]  # each worker's share of the units (r / K each for a uniform mask)
 
     def held_units(self, worker: int, group: int) -> np.ndarray:
         """Sorted unit indices of `group` held by `worker`."""
         held_chunks = [c for c, hs in enumerate(self.chunk_holders[group]) if worker in hs]
         return np.flatnonzero(np.isin(self.chunk_of[group], held_chunks))
+
+    def holder_counts(self, group: int) -> np.ndarray:
+        """How many workers hold each unit of `group`."""
+        return np.array([len(hs) for hs in self.chunk_holders[group]], dtype=np.int64)[self.chunk_of[group]]
 
     def unit_holders(self, group: int) -> list[tuple[int, ...]]:
         """Holder set of every unit of `group`."""
@@ -189,7 +194,14 @@ def build_mask(
         chunk_source = tuple(
             tuple(hs[(c + g) % r] for c, hs in enumerate(per_group)) for g, per_group in enumerate(chunk_holders)
         )
-    return Mask(num_workers=k, holders=r, chunk_of=chunk_of, chunk_holders=chunk_holders, chunk_source=chunk_source)
+    return Mask(
+        num_workers=k,
+        holders=r,
+        chunk_of=chunk_of,
+        chunk_holders=chunk_holders,
+        chunk_source=chunk_source,
+        capacity=(r / k,) * k,
+    )
 
 
 def _resampled_layout(
@@ -234,10 +246,12 @@ def mask_stats(mask: Mask, unit_numels: list[int]) -> dict:
         rho = float(1.0 - eig[1]) if len(eig) > 1 else 1.0
     holders = m.sum(axis=0)
     return {
-        "holders_per_unit": mask.holders,
+        "holders_per_unit": mask.holders,  # None when the workers' capacities differ
         "holders_min": int(holders.min()),
+        "holders_mean": round(float(holders.mean()), 6),
         "holders_max": int(holders.max()),
-        "coverage_target": mask.holders / mask.num_workers,
+        "capacity": list(mask.capacity),
+        "coverage_target": (mask.holders or sum(mask.capacity)) / mask.num_workers,
         "coverage_per_worker": [round(float(c), 6) for c in per_worker],
         "spectral_gap": round(rho, 6),
         "holder_sets": len(mask.holder_sets()),

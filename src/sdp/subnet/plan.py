@@ -22,6 +22,7 @@ from sdp.errors import ConfigError
 from sdp.models import blocks, build_on_meta
 from sdp.parallel import ParallelConfig
 from sdp.subnet import MaskingConfig
+from sdp.subnet.capacity import capacity_mask, check_length
 from sdp.subnet.groups import REPLICATED, joined, rank_sets, sdp_dimension_sets, shard_dims
 from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
 from sdp.subnet.units import UnitSpec, unit_spec
@@ -35,6 +36,17 @@ def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: 
 
 def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int = 0) -> Mask:
     """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every steps)."""
+    if cfg.capacity is not None:
+        check_length(cfg.capacity, workers=world_size)
+        return capacity_mask(
+            [g.num_units for g in spec.groups],
+            capacity=cfg.capacity,
+            construction=cfg.construction,
+            seed=cfg.seed,
+            group_kinds=[g.kind for g in spec.groups],
+            group_names=[f"{g.name} ({g.kind})" for g in spec.groups],
+            epoch=epoch,
+        )
     return build_mask(
         [g.num_units for g in spec.groups],
         num_workers=world_size,
@@ -66,6 +78,8 @@ class SubnetPlan:
         cls, model: nn.Module, cfg: MaskingConfig, *, family: str, workers: int, fsdp_degree: int = 1
     ) -> SubnetPlan:
         """The plan of `model` (plain, on any device, the meta device included) for K = `workers`."""
+        if cfg.capacity is not None:
+            check_length(cfg.capacity, workers=workers, fsdp_degree=fsdp_degree)
         spec, mask = plan_mask(model, cfg, family=family, world_size=workers)
         shapes = {n: p.shape for n, p in model.named_parameters()}
         paths = tuple(path for path, _ in blocks(model, family=family))
@@ -138,7 +152,8 @@ class SubnetPlan:
             holder_sets |= set(mask.holder_sets())
             # Once every set of r workers has been drawn, later epochs add none (a long run, or
             # a typo of trainer.max_steps, need not draw them all).
-            everyone = math.comb(workers, mask.holders) + (mask.holders < workers)
+            # (Only the random construction's sets change; it has r holders per unit.)
+            everyone = math.comb(workers, mask.holders) + (mask.holders < workers) if mask.holders else 0
             saturated = len(holder_sets) >= everyone
             if stop_above is None and epoch < epochs - 1 and not saturated:
                 continue
