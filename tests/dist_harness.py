@@ -77,6 +77,9 @@ def overrides(
     keys["masking"] = "none" if masking is None else masking.name
     if masking is not None:
         keys |= {f"masking.{k}": getattr(masking, k) for k in ("granularity", "coverage", "resample_every")}
+    if masking is not None and masking.capacity is not None:  # the capacities' mean is the coverage
+        del keys["masking.coverage"]
+        keys["masking.capacity"] = "[" + ",".join(f"{c:g}" for c in masking.capacity) + "]"
     if family == "llama":
         keys["model.loss"] = "full" if loss_chunk is None else "chunked"
         keys["model.loss_chunk_tokens"] = loss_chunk or 1024
@@ -429,12 +432,13 @@ def _state(sdp: SDPStrategy, optimizer) -> dict:
     return {f"{key}/{name}": t for key, per_name in full.items() for name, t in per_name.items()}, scalars
 
 
-def resample_check(family: str, gran: str, mode: str) -> dict:
-    """K workers, C = 0.5: two steps, a resample, one more step. The resample must not change the
-    model or any unit's optimizer state; only where they live."""
+def resample_check(family: str, gran: str, mode: str, capacity: list[float] | None = None) -> dict:
+    """K workers, C = 0.5 (or `capacity`): two steps, a resample, one more step. The resample must
+    not change the model or any unit's optimizer state; only where they live."""
     rank = dist.get_rank()
     comm = CommCounter()
-    sdp = make(family, MaskingConfig(name=mode, granularity=gran, coverage=0.5, resample_every=2), comm)
+    masking = MaskingConfig(name=mode, granularity=gran, coverage=0.5, resample_every=2, capacity=capacity)
+    sdp = make(family, masking, comm)
     optimizer = train(sdp, family, steps=2)
     before = {k: v.clone() for k, v in sdp.full_parameters().items()}
     state_before, scalars_before = _state(sdp, optimizer)
@@ -474,6 +478,125 @@ def _predicted_held(sdp: SDPStrategy, family: str, rank: int) -> int:
     shared = sum(shapes[n].numel() for n in sdp.spec.shared_params)
     units = sum(sdp.mask.held_units(rank, g).size * group.unit_numel(shapes) for g, group in enumerate(sdp.spec.groups))
     return shared + units
+
+
+# Workers of different capacities, K = 4: (family, granularity, capacities). Capacities that sum
+# to 2 give every unit 2 holders (a + b is the same sum in any order, so the averages are
+# compared bit for bit); the others give 3 or 4 (compared within float rounding). The tiny
+# ResNet's and Swin's last block is 3/4 of their block parameters: no capacity may be below it.
+CAPACITY_CASES = [
+    ("resnet", "neuron", [1, 0.5, 0.25, 0.25]),
+    ("llama", "block", [1, 0.5, 0.25, 0.25]),
+    ("llama", "neuron", [1, 1, 0.5, 0.5]),
+    ("swin", "neuron", [1, 0.75, 0.5, 0.5]),
+    ("swin", "block", [1, 1, 0.8, 0.8]),
+    ("resnet", "block", [1, 0.8, 0.8, 0.8]),
+]
+
+
+def _averaging(family: str, gran: str, capacity: list[float]) -> dict:
+    """Backward masking, one step, serial averaging: each synced unit gradient against the mean
+    of its holders' own gradients (gathered before the sync), and against the mean of their
+    single-process full-model gradients (`pairs_abs_diff`: the largest difference from either
+    over the units with two holders); the clipping norm."""
+    rank, k = dist.get_rank(), dist.get_world_size()
+    refs = [full_grads(family, r) for r in range(k)]
+    sdp = make(
+        family, MaskingConfig(name="backward", granularity=gran, capacity=capacity), CommCounter(), overlap=False
+    )
+    sdp.model.train()
+    loss, _ = forward_loss(sdp.model, batch(family, rank, 0), in_model=sdp.loss_in_model)
+    loss.backward()
+    local = {n: torch.zeros_like(refs[0][n]) for n in refs[0]}
+    for e in sdp.subnet.grad_entries:
+        _at(local[e.name], e).copy_(e.piece.view(e.piece.tensor.grad))
+    own = gathered(local)
+    sdp.after_backward()
+    pairs, own_rel, ref_rel, ref_sq, counts = 0.0, 0.0, 0.0, torch.zeros((), dtype=torch.float64), set()
+    for e in sdp.subnet.grad_entries:
+        got = e.piece.view(e.piece.tensor.grad)
+        for grads, worst in ((own, "own"), (refs, "ref")):
+            parts = [_at(grads[h][e.name], e) for h in e.holders]
+            expected = sum(parts[1:], parts[0]) / len(parts)  # summed in holder order, then divided
+            rel = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+            if len(e.holders) == 2:
+                pairs = max(pairs, (got - expected).abs().max().item())
+            if worst == "own":
+                own_rel = max(own_rel, rel)
+            else:
+                ref_rel = max(ref_rel, rel)
+                if e.holders[0] == rank:
+                    ref_sq += expected.double().pow(2).sum()
+        counts.add(len(e.holders))
+    dist.all_reduce(ref_sq)
+    return {
+        "pairs_abs_diff": max(gathered(pairs)),
+        "own_rel_err": max(gathered(own_rel)),
+        "ref_rel_err": max(gathered(ref_rel)),
+        "unit_holder_counts": sorted(set().union(*gathered(counts))),
+        "global_norm": [sdp.sync.global_norm(rank=rank).item(), ref_sq.sqrt().item()],
+        "sdp": sdp,
+    }
+
+
+def capacity_check(family: str, gran: str, capacity: list[float]) -> dict:
+    """Backward masking: the averaging (`_averaging`) and each rank's bytes against its held
+    units; forward masking: bytes and assembly after two steps; both: the order of collectives
+    of two overlapped steps."""
+    rank = dist.get_rank()
+    res = _averaging(family, gran, capacity)
+    sdp = res.pop("sdp")
+    optimizer = build_optimizer(sdp.trainable(), OptimConfig(lr=1e-3))
+    optimizer.step()
+    held = _predicted_held(sdp, family, rank)
+    predicted = {
+        "params_bytes": 4 * sdp.full_params,
+        "grads_bytes": 4 * held,
+        "optim_bytes": 8 * held + 4 * len(sdp.trainable()),
+    }
+    res["backward_bytes"] = gathered([sdp.memory(optimizer), predicted])
+    sdp = make(family, MaskingConfig(name="forward", granularity=gran, capacity=capacity), CommCounter())
+    optimizer = train(sdp, family, steps=2)
+    held = _predicted_held(sdp, family, rank)
+    predicted = {"params_bytes": 4 * held, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
+    res["forward_bytes"] = gathered([sdp.memory(optimizer), predicted])
+    full = sdp.full_parameters()
+    flat = torch.cat([full[n].reshape(-1) for n in sorted(full)])
+    mine = flat.clone()
+    dist.broadcast(flat, src=0)
+    res["assembled_rank_diff"] = max(gathered((mine - flat).abs().max().item()))
+    res["stats"] = sdp.describe()["mask"]
+    for mode in ("backward", "forward"):
+        trace: list = []
+        masking = MaskingConfig(name=mode, granularity=gran, capacity=capacity)
+        trainer_steps(make(family, masking, CommCounter()), family, steps=2, trace=trace)
+        res[f"trace_{mode}"] = gathered([[list(g) if isinstance(g, tuple) else g, k, i] for g, k, i in trace])
+    return res
+
+
+def equal_capacity_check(family: str) -> dict:
+    """masking.capacity=[0.5] * 4 against masking.coverage=0.5: parameters after 3 steps, both modes."""
+    out = {}
+    for mode in ("backward", "forward"):
+        params = []
+        for masking in (
+            MaskingConfig(name=mode, coverage=0.5),
+            MaskingConfig(name=mode, capacity=[0.5] * 4),
+        ):
+            sdp = make(family, masking, CommCounter())
+            train(sdp, family, steps=3)
+            params.append({k: v.detach().clone() for k, v in sdp.full_parameters().items()})
+        out[mode] = max(gathered(max_diff(*params)))
+    return out
+
+
+def capacity() -> dict:
+    out = {f"{f}-{g}-{'-'.join(map(str, c))}": capacity_check(f, g, c) for f, g, c in CAPACITY_CASES}
+    out["equal"] = {family: equal_capacity_check(family) for family in ("llama", "resnet")}
+    out["resample"] = {
+        mode: resample_check("llama", "neuron", mode, capacity=[1, 1, 0.5, 0.5]) for mode in ("backward", "forward")
+    }
+    return out
 
 
 def holders() -> dict:
@@ -693,6 +816,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     OUT = path
     scenarios = {"equivalence": equivalence, "holders": holders, "stacking": stacking, "sharded": sharded}
+    scenarios["capacity"] = capacity
     result = {**scenarios, "compile": compile_checks}[scenario]()
     if dist.get_rank() == 0:
         with open(path, "w") as f:

@@ -42,6 +42,21 @@ def test_llama_1b_groups_per_rank(llama_1b, granularity, construction, workers, 
     assert max(planned_comm_groups(llama_1b, cfg, family="llama", workers=workers)) == busiest
 
 
+@pytest.mark.parametrize(
+    "granularity,capacity,per_rank",
+    [
+        # Four 80 GB and four 24 GB cards: every unit has 6 holders, in one of two sets.
+        ("neuron", [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5], [3, 3, 3, 3, 2, 2, 2, 2]),
+        ("block", [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5], [3, 3, 3, 3, 2, 2, 2, 2]),
+        # 4 or 5 holders: the overlaps of the arcs are five sets.
+        ("neuron", [0.8, 0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.4], [5, 5, 5, 5, 3, 3, 3, 3]),
+    ],
+)
+def test_llama_1b_groups_per_rank_with_capacities(llama_1b, granularity, capacity, per_rank):
+    cfg = MaskingConfig(name="forward", granularity=granularity, capacity=capacity)
+    assert planned_comm_groups(llama_1b, cfg, family="llama", workers=8) == per_rank
+
+
 def test_empty_chunks_of_block_masks_need_no_group():
     # A block group is one unit: of its K chunks only one holds it.
     mask = build_mask([1, 1], num_workers=4, coverage=0.5)

@@ -135,9 +135,25 @@ def test_too_few_blocks_for_a_small_share_is_refused():
     with pytest.raises(ConfigError) as info:
         _mixed([1, 1, 0.1], sizes=[1] * 4, kinds=["block"] * 4)
     assert str(info.value) == (
-        "masking.capacity=[1, 1, 0.1]: gives worker 2 a share of 0.1 x 4 = 0.4 units of the 4 blocks, less than "
-        "one; every capacity must be at least 1/4 = 0.25 with this model"
+        "masking.capacity=[1, 1, 0.1]: gives worker 2 a share of 0.1 of the blocks' parameters, less than the "
+        "largest block (g0: 0.25 of them), which every worker must be able to hold; every capacity must be at "
+        "least 0.25 with this model's 4 blocks, or use masking.granularity=neuron"
     )
+
+
+def test_blocks_of_different_sizes_are_shared_by_parameters():
+    # Stages of 1, 1, 4, 4, 16 and 16 (the shape of a ResNet's or a Swin's): by count, the worker
+    # with a quarter could hold 2 of 6 blocks; by parameters, a quarter of the 42.
+    numels = [1, 1, 4, 4, 16, 16]
+    for capacity in ([1, 0.5, 0.5], [1, 1, 0.5, 0.5], [0.75, 0.75, 0.5]):
+        mask = _mixed(capacity, sizes=[1] * 6, kinds=["block"] * 6, unit_numels=numels)
+        for w, c in enumerate(capacity):
+            held = sum(numels[g] for g in range(6) if mask.held_units(w, g).size)
+            assert abs(held - c * 42) <= 16, (capacity, w, held)  # within one block
+        counts = [mask.holder_counts(g)[0] for g in range(6)]
+        assert set(counts) <= {math.floor(sum(capacity)), math.ceil(sum(capacity))}
+    with pytest.raises(ConfigError, match=r"largest block \(g4: 0.381 of them\)"):
+        _mixed([1, 1, 0.25, 0.25], sizes=[1] * 6, kinds=["block"] * 6, unit_numels=numels)
 
 
 def test_a_list_of_the_wrong_length_is_refused_with_k():

@@ -1,5 +1,7 @@
 """SDP across processes (gloo, CPU): two torchrun launches run every check in tests/dist_harness.py."""
 
+import math
+
 import pytest
 from conftest import run_harness
 
@@ -15,6 +17,11 @@ def equivalence(tmp_path_factory):
 @pytest.fixture(scope="module")
 def holders(tmp_path_factory):
     return run_harness("holders", 4, tmp_path_factory.mktemp("holders") / "holders.json")
+
+
+@pytest.fixture(scope="module")
+def capacity(tmp_path_factory):
+    return run_harness("capacity", 4, tmp_path_factory.mktemp("capacity") / "capacity.json")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -148,3 +155,66 @@ def test_chunked_loss_equals_full_under_every_masking_mode(holders, case):
     assert res["loss_rel"] <= 1e-5
     assert res["grad_rel"] <= 1e-5
     assert res["head_grad_rel"] <= (1e-5 if case.endswith("fp32") else 2**-7)
+
+
+CAPACITY_CASES = [
+    "resnet-neuron-1-0.5-0.25-0.25",
+    "llama-block-1-0.5-0.25-0.25",
+    "llama-neuron-1-1-0.5-0.5",
+    "swin-neuron-1-0.75-0.5-0.5",
+    "swin-block-1-1-0.8-0.8",
+    "resnet-block-1-0.8-0.8-0.8",
+]
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES)
+def test_uneven_holders_average_each_unit_over_its_own_holders(capacity, case):
+    # K = 4 workers of capacities c (backward masking, one step): each synced unit gradient is
+    # the mean of its own holders' gradients, computed in one process: bit for bit where a unit
+    # has two holders, within float rounding where it has more (the shared tensors: 4).
+    res = capacity[case]
+    total = sum(float(c) for c in case.split("-")[2:])
+    expected = {math.floor(total), math.ceil(total), 4}
+    assert set(res["unit_holder_counts"]) <= expected and len(res["unit_holder_counts"]) >= 2
+    assert res["pairs_abs_diff"] == 0.0 and (2 in res["unit_holder_counts"]) == (total < 3)
+    assert res["own_rel_err"] <= 1e-6 and res["ref_rel_err"] <= 1e-6
+    ours, reference = res["global_norm"]
+    assert ours == pytest.approx(reference, rel=1e-6)
+    assert res["stats"]["holders_min"] == math.floor(total) and res["stats"]["holders_max"] == math.ceil(total)
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES)
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_each_rank_holds_the_bytes_of_its_own_units(capacity, case, mode):
+    # Parameters (forward masking), gradients and AdamW state of each rank, exact against the
+    # units the mask gives it; the ranks differ as their capacities do.
+    per_rank = capacity[case][f"{mode}_bytes"]
+    assert all(measured == predicted for measured, predicted in per_rank)
+    grads = [m["grads_bytes"] for m, _ in per_rank]
+    assert grads[0] == max(grads) and len(set(grads)) > 1
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES)
+def test_a_mixed_mask_issues_its_collectives_in_one_global_order(capacity, case):
+    from collective_order import order_problems
+
+    res = capacity[case]
+    assert res["assembled_rank_diff"] == 0.0
+    for mode in ("backward", "forward"):
+        traces = res[f"trace_{mode}"]
+        assert all(traces) and order_problems(traces, world_size=4) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "resnet"])
+def test_equal_capacities_are_the_coverage_run_bitwise(capacity, family):
+    # masking.capacity=[0.5] * 4 against masking.coverage=0.5: parameters after 3 AdamW steps.
+    assert capacity["equal"][family] == {"backward": 0.0, "forward": 0.0}
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_resampling_a_mixed_mask_moves_weights_and_state_exactly(capacity, mode):
+    res = capacity["resample"][mode]  # capacities [1, 1, 0.5, 0.5], a new mask after step 2
+    assert res["changed"] and res["mask_moved"] and res["epoch"] == 1
+    assert res["weights_diff"] == 0.0 and res["state_diff"] == 0.0 and res["holder_state_diff"] == 0.0
+    assert res["state_nonzero"] > 0 and res["steps_kept"] == [2.0, 2.0]
+    assert all(measured == predicted for measured, predicted in res["bytes"])

@@ -109,9 +109,12 @@ def test_resampling_a_random_mask_adds_holder_sets():
 
 
 @pytest.mark.parametrize("family", ["llama", "resnet"])
-@pytest.mark.parametrize("name,granularity", [("forward", "neuron"), ("backward", "block")])
-def test_the_plan_is_what_the_strategy_installs(family, name, granularity):
-    masking = MaskingConfig(name=name, granularity=granularity, coverage=0.5)
+@pytest.mark.parametrize(
+    "name,granularity,capacity",
+    [("forward", "neuron", None), ("backward", "block", None), ("forward", "neuron", [1, 1, 0.5, 0.5])],
+)
+def test_the_plan_is_what_the_strategy_installs(family, name, granularity, capacity):
+    masking = MaskingConfig(name=name, granularity=granularity, coverage=0.5, capacity=capacity)
     plan = plan_of(family, masking)
     holder_sets = set()
     for rank in range(K):

@@ -13,9 +13,12 @@ within one. No worker's arc is longer than the circle (c_k <= 1), so no worker h
   one-unit rounding differences fall on different workers from layer to layer. (Rounding
   moves a boundary by less than a unit, not the workers' order around the circle: the holder
   sets stay the same few in every group.)
-- Block units (one unit per group) are laid on one circle of all the blocks, in residue order
-  (block l at the place of (l mod K, l div K)), so that a worker's contiguous arc is blocks
-  spread through the whole depth rather than a run of adjacent layers.
+- Block units (one unit per group) are laid on one circle of all the blocks, each as long as
+  its parameters, in residue order (block l at the place of (l mod K, l div K)), and a worker
+  holds the blocks whose middles lie in its arc. Its blocks are then its capacity's share of
+  the blocks' parameters (the memory it has), to within one block, and spread through the
+  whole depth rather than a run of adjacent layers. A worker whose share is below the largest
+  block's could miss every middle: refused.
 
 Every group's holder sets are the arcs' overlaps, the same few sets in every group (the
 workers' order around the circle is fixed), so a rank joins few process groups.
@@ -47,10 +50,13 @@ def capacity_mask(
     seed: int = 0,
     group_kinds: list[str] | None = None,
     group_names: list[str] | None = None,
+    unit_numels: list[int] | None = None,
     epoch: int = 0,
 ) -> Mask:
-    """The mask of workers with capacities `capacity` (one per worker) over groups of `group_sizes`."""
+    """The mask of workers with capacities `capacity` (one per worker) over groups of `group_sizes`
+    (`unit_numels`: the elements of one unit of each group, which weigh the blocks; default 1)."""
     kinds = group_kinds or ["unit"] * len(group_sizes)
+    numels = unit_numels or [1] * len(group_sizes)
     k, total = len(capacity), sum(capacity)
     if len(set(capacity)) == 1 and abs(total - round(total)) <= TOLERANCE * k:  # the uniform mask, its rules
         return build_mask(
@@ -58,7 +64,7 @@ def capacity_mask(
             group_kinds=kinds, epoch=epoch,
         )  # fmt: skip
     names = group_names or [f"group {g}" for g in range(len(group_sizes))]
-    check_capacity(capacity, group_sizes=group_sizes, group_kinds=kinds, group_names=names)
+    check_capacity(capacity, group_sizes=group_sizes, group_kinds=kinds, group_names=names, unit_numels=numels)
     if construction != "cyclic":
         raise ConfigError(
             "masking.construction",
@@ -75,10 +81,12 @@ def capacity_mask(
             members[g] = member if rng is None else np.roll(member, int(rng.integers(n)), axis=1)
     blocks = [g for g, kind in enumerate(kinds) if kind == "block"]
     if blocks:
-        circle = lay_arcs(len(blocks), capacity)
-        order = residue_order(len(blocks), k) if rng is None else rng.permutation(len(blocks))
+        order = residue_order(len(blocks), k) if rng is None else rng.permutation(len(blocks)).tolist()
+        weights = np.array([numels[blocks[i]] for i in order], dtype=np.float64)
+        middles = (np.cumsum(weights) - weights / 2) / weights.sum()
+        held = cover_points(middles, capacity)
         for place, i in enumerate(order):
-            members[blocks[i]] = circle[:, place : place + 1]
+            members[blocks[i]] = held[:, place : place + 1]
     return _as_mask(members, capacity)
 
 
@@ -91,6 +99,13 @@ def lay_arcs(n: int, capacity: list[float], *, offset: float = 0.5) -> np.ndarra
     for w in range(k):
         member[w, np.arange(bounds[w], bounds[w + 1]) % n] = True
     return member
+
+
+def cover_points(points: np.ndarray, capacity: list[float]) -> np.ndarray:
+    """member[k, i]: whether point i of the unit circle lies in worker k's arc, the arcs
+    [P_k, P_k + c_k) laid end to end and taken mod 1."""
+    starts = np.cumsum([0.0, *capacity])[:-1]
+    return np.stack([(points - p) % 1.0 < c for p, c in zip(starts, capacity, strict=True)])
 
 
 def residue_order(num_blocks: int, num_workers: int) -> list[int]:
@@ -119,11 +134,16 @@ def _as_mask(members: list[np.ndarray], capacity: list[float]) -> Mask:
 
 
 def check_capacity(
-    capacity: list[float], *, group_sizes: list[int], group_kinds: list[str], group_names: list[str]
+    capacity: list[float],
+    *,
+    group_sizes: list[int],
+    group_kinds: list[str],
+    group_names: list[str],
+    unit_numels: list[int],
 ) -> None:
     """The refusals of a capacity list the model's units cannot meet (ConfigError): a sum below 1
-    (a unit without a holder), and a share too small to hold one unit of some group (the blocks
-    count as one group: a worker's blocks are its share of all of them)."""
+    (a unit without a holder), and a share too small to hold one unit of some group, or the
+    largest block (a worker's blocks are its share of all the blocks' parameters)."""
     total = sum(capacity)
     if total < 1 - TOLERANCE:
         raise ConfigError(
@@ -132,14 +152,26 @@ def check_capacity(
             f"sums to {total:.6g}, below 1: some unit would have no holder; capacities summing to 1 or more "
             f"would work (each unit then has about their sum in holders), for example {_scaled_to_one(capacity)}",
         )
+    worker = min(range(len(capacity)), key=lambda w: capacity[w])
+    blocks = [
+        (numel, name)
+        for numel, kind, name in zip(unit_numels, group_kinds, group_names, strict=True)
+        if kind == "block"
+    ]
+    largest, name = max(blocks, key=lambda b: b[0], default=(0, ""))
+    share = largest / sum(numel for numel, _ in blocks) if blocks else 0.0
+    if capacity[worker] < share - TOLERANCE:  # an arc shorter than the largest block may miss every block's middle
+        raise ConfigError(
+            KEY,
+            capacity,
+            f"gives worker {worker} a share of {capacity[worker]:g} of the blocks' parameters, less than the "
+            f"largest block ({name}: {share:.3g} of them), which every worker must be able to hold; every capacity "
+            f"must be at least {share:.4g} with this model's {len(blocks)} blocks, or use masking.granularity=neuron",
+        )
     sizes = [(n, name) for n, kind, name in zip(group_sizes, group_kinds, group_names, strict=True) if kind != "block"]
-    num_blocks = sum(kind == "block" for kind in group_kinds)
-    if num_blocks:
-        sizes.append((num_blocks, f"the {num_blocks} blocks"))
     if not sizes:
         return
     n, name = min(sizes)
-    worker = min(range(len(capacity)), key=lambda w: capacity[w])
     if capacity[worker] * n < 1 - TOLERANCE:
         raise ConfigError(
             KEY,

@@ -31,11 +31,15 @@ from sdp.subnet.units import UnitSpec, unit_spec
 def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
     """The unit spec and (epoch 0) mask of a plain model: a pure function of config and world size."""
     spec = unit_spec(model, family=family, granularity=cfg.granularity)
-    return spec, mask_of(spec, cfg, world_size=world_size)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    return spec, mask_of(spec, cfg, world_size=world_size, shapes=shapes)
 
 
-def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int = 0) -> Mask:
-    """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every steps)."""
+def mask_of(
+    spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, shapes: Mapping[str, torch.Size], epoch: int = 0
+) -> Mask:
+    """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every
+    steps); `shapes`, the plain model's parameters, weigh the blocks of a capacity list."""
     if cfg.capacity is not None:
         check_length(cfg.capacity, workers=world_size)
         return capacity_mask(
@@ -44,7 +48,8 @@ def mask_of(spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, epoch: int =
             construction=cfg.construction,
             seed=cfg.seed,
             group_kinds=[g.kind for g in spec.groups],
-            group_names=[f"{g.name} ({g.kind})" for g in spec.groups],
+            group_names=[f"{g.name} ({g.kind})" if g.kind != "block" else g.name for g in spec.groups],
+            unit_numels=[g.unit_numel(shapes) for g in spec.groups],
             epoch=epoch,
         )
     return build_mask(
@@ -87,7 +92,11 @@ class SubnetPlan:
 
     def mask_at(self, epoch: int) -> Mask:
         """The mask of mask epoch `epoch`."""
-        return self.mask if epoch == 0 else mask_of(self.spec, self.cfg, world_size=self.workers, epoch=epoch)
+        return (
+            self.mask
+            if epoch == 0
+            else mask_of(self.spec, self.cfg, world_size=self.workers, shapes=self.shapes, epoch=epoch)
+        )
 
     def worker_of(self, rank: int) -> int:
         """The SDP worker (its index in the mask) that `rank` belongs to."""
@@ -215,7 +224,9 @@ def _too_many_groups(plan: SubnetPlan, parallel: ParallelConfig, *, steps: int) 
         cfg.resample_every and cfg.construction not in FIXED_HOLDER_SETS
     )  # counting stopped at the first epoch over
     cyclic_cfg = dataclasses.replace(cfg, construction="cyclic")
-    cyclic_plan = dataclasses.replace(plan, cfg=cyclic_cfg, mask=mask_of(plan.spec, cyclic_cfg, world_size=workers))
+    cyclic_plan = dataclasses.replace(
+        plan, cfg=cyclic_cfg, mask=mask_of(plan.spec, cyclic_cfg, world_size=workers, shapes=plan.shapes)
+    )
     cyclic = max(cyclic_plan.comm_groups(steps=steps))
     if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
         instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
