@@ -228,6 +228,8 @@ SHARDED_MASKINGS = {
     "block": MaskingConfig(name="forward", granularity="block", coverage=0.5),
     # A new mask after step 2: units, weights and optimizer state move between holders.
     "neuron-resample": MaskingConfig(name="forward", granularity="neuron", coverage=0.5, resample_every=2),
+    # Workers of capacities 1 and 0.5: a unit has one holder or two.
+    "neuron-capacity": MaskingConfig(name="forward", granularity="neuron", capacity=[1, 0.5]),
 }
 # SGD with momentum: AdamW's normalisation would turn float rounding in near-zero gradients
 # (the two jobs sum in different orders) into visible parameter differences.

@@ -49,7 +49,7 @@ def test_activation_checkpointing_changes_no_numbers(stacking, family):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample"])
+@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample", "neuron-capacity"])
 @pytest.mark.parametrize("family", ["llama", "swin"])
 def test_sdp_x_fsdp_matches_sdp(harness_dir, sharded, family, granularity):
     # 2 SDP workers x 2 FSDP shards against plain SDP with 2 workers, each fed its two ranks'
@@ -63,7 +63,7 @@ def test_sdp_x_fsdp_matches_sdp(harness_dir, sharded, family, granularity):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample"])
+@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample", "neuron-capacity"])
 @pytest.mark.parametrize("family", ["llama", "swin"])
 def test_sdp_x_fsdp_overlapped_averaging_equals_serial(sharded, family, granularity):
     # FSDP2 runs the post-accumulate-grad hooks on its gradient shards after its reduce-scatter:
@@ -72,7 +72,7 @@ def test_sdp_x_fsdp_overlapped_averaging_equals_serial(sharded, family, granular
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample"])
+@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample", "neuron-capacity"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sdp_x_fsdp_holds_c_over_f(sharded, family, granularity):
     res = sharded[family][granularity]
@@ -238,7 +238,7 @@ def test_chunked_loss_equals_full_under_fsdp(stacking, dtype):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample"])
+@pytest.mark.parametrize("granularity", ["neuron", "block", "neuron-resample", "neuron-capacity"])
 def test_chunked_loss_equals_full_under_sdp_x_fsdp(sharded, granularity):
     res = sharded["llama"][granularity]["loss"]  # 2 workers x 2 shards, fp32, one step
     assert res["tensors"] > 1
