@@ -189,3 +189,35 @@ def test_estimator_traces_every_family_and_mode(family, masking):
     est = estimate(estimator_config(overrides), world_size=2, rank=1)
     mem = est["memory"]
     assert mem["peak_bytes"] > mem["params_bytes"] > 0 and est["flops_per_step"] > 0
+
+
+def test_the_estimator_shows_every_rank_of_a_capacity_list_and_names_the_busiest(tmp_path, capsys):
+    import json
+
+    from sdp.models import build_on_meta
+    from sdp.subnet import MaskingConfig
+    from sdp.subnet.plan import SubnetPlan
+
+    out = tmp_path / "est.json"
+    argv = [*TINY, "masking=forward", "masking.capacity=[1,1,0.5,0.5]", "world_size=4", "rank=all", f"out={out}"]
+    assert main(argv) == 0
+    per_rank = json.loads(out.read_text())
+    assert [e["capacity"] for e in per_rank] == [1, 1, 0.5, 0.5] and {e["coverage"] for e in per_rank} == {0.75}
+    assert all(e["holders"] == {"min": 3, "mean": 3.0, "max": 3} for e in per_rank)
+    # Each rank's parameters (forward masking) are exactly the shared tensors and its own units.
+    cfg = estimator_config([*TINY, "masking=forward", "masking.capacity=[1,1,0.5,0.5]"], world_size=4)
+    plan = SubnetPlan.build(
+        build_on_meta(cfg.model), MaskingConfig(name="forward", capacity=[1, 1, 0.5, 0.5]), family="llama", workers=4
+    )
+    for est in per_rank:
+        held = sum(
+            plan.mask.held_units(est["rank"], g).size * group.unit_numel(plan.shapes)
+            for g, group in enumerate(plan.spec.groups)
+        )
+        assert est["memory"]["params_bytes"] == 4 * (plan.shared_params + held)
+    printed = capsys.readouterr().out.splitlines()
+    assert "  holders  each unit held by 3..3 workers (mean 3)" in printed
+    assert printed[-1].startswith("busiest: rank 0 of 4, peak ")
+    assert printed[-3].split()[:2] == ["2", "0.5"]  # the table: rank, capacity, ...
+    assert main([*TINY, "masking=backward", "masking.capacity=[0.5,1,1,0.5]", "world_size=4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "busiest: rank 1 of 4 (it holds the most unit parameters)"

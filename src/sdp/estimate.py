@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.paths import check_output_file
-from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate
+from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
 from sdp.planning.step_time import Cluster, format_step_times, load_cluster, place, step_times
 from sdp.run.config import RunConfig, load_config
 from sdp.rundir import write_error
@@ -112,6 +112,8 @@ def run_label(cfg: RunConfig) -> str:
     if not is_sdp(cfg.masking.name):
         return par
     variant = f"{cfg.masking.granularity[0].upper()}-SDP {cfg.masking.name} C={cfg.masking.coverage:g}"
+    if cfg.masking.capacity is not None:
+        variant += f" capacity=[{','.join(f'{c:g}' for c in cfg.masking.capacity)}]"
     f = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
     return variant + (f" x FSDP(F={f})" if f > 1 else "")
 
@@ -132,11 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [busiest_rank(cfg, world_size=args.world_size)]
     else:
         ranks = [int(args.rank)]
+    if args.rank == "busiest" and args.world_size > 1:
+        print(f"busiest: rank {ranks[0]} of {args.world_size} (it holds the most unit parameters)", flush=True)
     results = []
     try:
         for rank in ranks:
             results.append(estimate(cfg, world_size=args.world_size, rank=rank))
             print(format_estimate(results[-1]), flush=True)
+        if len(results) > 1:
+            print(format_ranks(results), flush=True)
         if args.cluster is not None:
             text, rows = cluster_report(args, cfg, results[0])
             print(text, flush=True)

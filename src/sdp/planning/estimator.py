@@ -251,11 +251,14 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
             ) from err
     per_step = comm.per_step()
     groups = planned_groups(cfg, world_size=world_size)[rank]
+    plan = getattr(strategy, "plan", None)  # SDP's: the mask's holders per unit
     return {
         "model": cfg.model.name,
         "masking": cfg.masking.name,
         "granularity": cfg.masking.granularity if is_sdp(cfg.masking.name) else None,
         "coverage": cfg.masking.coverage,
+        "capacity": None if plan is None else plan.mask.capacity[plan.worker_of(rank)],
+        "holders": None if plan is None else {k: plan.stats[f"holders_{k}"] for k in ("min", "mean", "max")},
         "world_size": world_size,
         "rank": rank,
         "micro_batch": micro,
@@ -310,8 +313,9 @@ def format_estimate(est: dict) -> str:
     mem = est["memory"]
     static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
     variant = est["masking"] if est["masking"] == "none" else f"{est['masking']}/{est['granularity']}"
+    share = "" if est["capacity"] in (None, est["coverage"]) else f" (this rank's capacity {est['capacity']:g})"
     lines = [
-        f"{est['model']} ({est['n_params'] / 1e6:.1f}M params), masking={variant} C={est['coverage']}, "
+        f"{est['model']} ({est['n_params'] / 1e6:.1f}M params), masking={variant} C={est['coverage']:g}{share}, "
         f"rank {est['rank']} of {est['world_size']}, micro-batch {est['micro_batch']}"
         + (f" x {est['seq_len']} tokens" if est["seq_len"] else ""),
         f"  static   params {mem['params_bytes'] / GIB:.3f}  grads {mem['grads_bytes'] / GIB:.3f}  "
@@ -325,4 +329,26 @@ def format_estimate(est: dict) -> str:
         f"{mem['comm_group_bytes'] / max(1, mem['comm_groups']) / 2**20:g} MiB = {mem['comm_group_bytes'] / GIB:.3f} "
         f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
     ]
+    if est["holders"] is not None:
+        h = est["holders"]
+        lines.append(f"  holders  each unit held by {h['min']}..{h['max']} workers (mean {h['mean']:g})")
+    return "\n".join(lines)
+
+
+def format_ranks(results: list[dict]) -> str:
+    """`rank=all`: every rank's figures side by side, and the busiest rank by peak, named."""
+    lines = ["rank  capacity  static GiB  peak GiB  peak+groups GiB  comm GiB/step"]
+    for est in results:
+        mem = est["memory"]
+        static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
+        capacity = "-" if est["capacity"] is None else f"{est['capacity']:g}"
+        lines.append(
+            f"{est['rank']:>4}  {capacity:>8}  {static / GIB:>10.3f}  {mem['peak_bytes'] / GIB:>8.3f}  "
+            f"{mem['peak_with_comm_groups_bytes'] / GIB:>15.3f}  {est['comm_bytes_per_step'] / GIB:>13.3f}"
+        )
+    busiest = max(results, key=lambda e: e["memory"]["peak_with_comm_groups_bytes"])
+    lines.append(
+        f"busiest: rank {busiest['rank']} of {busiest['world_size']}, peak "
+        f"{busiest['memory']['peak_with_comm_groups_bytes'] / GIB:.3f} GiB with its process groups"
+    )
     return "\n".join(lines)
