@@ -111,3 +111,32 @@ def test_an_impossible_world_size_is_refused_with_the_ones_that_resume(tmp_path)
     with pytest.raises(ConfigError) as other:
         load_config(bad, world_size=3, offline=True, check_data=False)
     assert resize_refusal(bad, other.value, world_size=3) is None
+
+
+CAPACITY = {4: "masking.capacity=[1,1,0.5,0.5]", 2: "masking.capacity=[1,0.5]"}  # the same mean, 0.75
+
+
+@pytest.mark.dist
+def test_a_run_of_capacities_resumes_on_two_workers_with_their_list(tmp_path):
+    # Four cards (two large, two small) to step 3, then one large and one small from step 3.
+    base, run_dir = [*RUN, "masking=forward"], tmp_path / "run"
+    proc = launch([*base, CAPACITY[4], f"run_dir={run_dir}", "trainer.stop_at_step=3"], nproc=4, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The four workers' list on two workers: refused in one line, before any process group.
+    same = [*base, CAPACITY[4], f"run_dir={run_dir}"]
+    with pytest.raises(ConfigError) as info:
+        load_config(same, world_size=2, offline=True, check_data=False)
+    assert str(resize_refusal(same, info.value, world_size=2)) == (
+        f"run_dir='{run_dir}': was checkpointed with 4 processes and cannot resume on 2 (masking.capacity=[1.0, "
+        "1.0, 0.5, 0.5]: has 4 entries for K=2 SDP workers (the world size); give one capacity per worker (a resume "
+        "on another world size needs the list for the new K), for example masking.capacity=[1,1]); give "
+        "masking.capacity for the new workers, with the same mean 0.75 (the run's coverage)"
+    )
+    held = resume_probed([*base, CAPACITY[2], f"run_dir={run_dir}"], nproc=2, cwd=tmp_path)
+    assert_bitwise(held, run_dir, 3)
+    summary, records = read_run(run_dir)
+    assert summary["status"] == "completed" and summary["resumes"] == [
+        {"step": 3, "world_size": 2, "checkpointed_with": 4}
+    ]
+    assert summary["mask"]["capacity"] == [1, 0.5] and summary["mask"]["coverage_per_worker"] == [1.0, 0.5]
+    assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4, 5, 6]

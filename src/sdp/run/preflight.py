@@ -60,6 +60,13 @@ def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -
 
     if not fits(before):
         return None  # the config itself changed: its own error says what is wrong
+    if cfg.masking.capacity is not None and err.key == "masking.capacity":  # one capacity per worker
+        return ConfigError(
+            "run_dir",
+            cfg.run_dir,
+            f"was checkpointed with {before} processes and cannot resume on {world_size} ({err}); give "
+            f"masking.capacity for the new workers, with the same mean {cfg.masking.coverage:g} (the run's coverage)",
+        )
     limit = 2 * max(before, world_size)
     allowed = ", ".join(str(n) for n in range(1, limit + 1) if fits(n))
     return ConfigError(
