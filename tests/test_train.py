@@ -65,6 +65,7 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert mem["params_bytes"] == mem["grads_bytes"] == 4 * n
     assert mem["optim_bytes"] - 8 * n in range(4, 4 * 1000)
     assert summary["comm_bytes_per_step"] == 4 * n
+    assert summary["comm_bytes_per_step_per_rank"] == [4 * n] * summary["world_size"]
     assert summary["tokens_or_samples_per_s"] > 0
     # DDP's own overlap: its wait after the last gradient; its world is its one group.
     assert 0 <= summary["exposed_comm_s"] <= summary["comm_wait_s"] < summary["step_time_s"]

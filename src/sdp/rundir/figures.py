@@ -37,13 +37,15 @@ def measurements(
         "peak_breakdown": peak,
         **cuda_peaks(device),
     }
-    gathered = dist.gather_objects((local, flops, comm.waits()))
-    per_rank = [mem for mem, _, _ in gathered]
+    gathered = dist.gather_objects((local, flops, comm.waits(), sum(comm.per_step().values())))
+    per_rank = [mem for mem, _, _, _ in gathered]
     return {
-        "flops_per_step_per_rank": max((f for _, f, _ in gathered if f is not None), default=None),
+        "flops_per_step_per_rank": max((f for _, f, _, _ in gathered if f is not None), default=None),
         "memory": _busiest(per_rank),
         "memory_per_rank": per_rank,
-        **_comm_summary(comm, strategy, [w for _, _, w in gathered], device=device),
+        **_comm_summary(comm, strategy, [w for _, _, w, _ in gathered], device=device),
+        # Each rank's bytes sent per step (ranks of different capacities send different amounts).
+        "comm_bytes_per_step_per_rank": [sent for _, _, _, sent in gathered],
     }
 
 

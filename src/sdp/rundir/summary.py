@@ -108,6 +108,7 @@ class Summary:
     memory_per_rank: list[dict] = field(default_factory=list)
     # Communication.
     comm_bytes_per_step: float | None = None
+    comm_bytes_per_step_per_rank: list[float] = field(default_factory=list)
     comm_groups_per_rank: int | None = None
     comm_bytes_per_step_by_kind: dict = field(default_factory=dict)
     exposed_comm_s: float | None = None
