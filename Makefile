@@ -3,6 +3,7 @@
 # make test-fast     - set up, then every module's unit tests (no multi-rank jobs; <= 3 min)
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
+# make mixed-gpus    - workers of different capacities vs uniform coverage and DDP (CPU): per-rank bytes, quality
 # make tables        - CPU-scale replicas of the paper's tables and plots, 3 seeds a row, and claims.md (results/cpu_replica)
 # make rho           - the spectral gap against convergence (results/cpu_replica/rho_convergence.*)
 # make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
@@ -16,7 +17,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench tables rho soak
+.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus tables rho soak
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -69,6 +70,12 @@ memory-table: setup
 # live peak, comm, step time, exposed communication, and the step-time model's check (about 8 min).
 bench: setup
 	$(PY) scripts/bench_sdp.py --out results/bench/sdp_cpu_k4.md
+
+# Workers of capacities [1, 1, 0.5, 0.5] against uniform C = 0.75 and DDP, 4 CPU processes on real data:
+# each rank's bytes (checked against its held units), bytes sent and quality (about 15 min).
+mixed-gpus: setup
+	$(PY) scripts/mixed_gpus.py
+	$(PY) scripts/mixed_gpus.py --text
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -89,6 +89,10 @@ def test_labels_name_the_paper_variants_and_stacked_methods():
     )
     assert label(masking="none", parallelism="fsdp") == "FSDP"
     assert label(masking="stochastic_depth") == "Stochastic depth"
+    # Workers of different capacities are their own row; equal ones are the uniform mask's.
+    mixed = {"masking": "forward", "granularity": "neuron", "mask": {"capacity": [1.0, 1.0, 0.5, 0.5]}}
+    assert label(**mixed) == "N-SDP forward capacity [1,1,0.5,0.5]"
+    assert label(**{**mixed, "mask": {"capacity": [0.5] * 4}}) == "N-SDP forward"
 
 
 def test_collect_writes_markdown_csv_and_plots(tmp_path):

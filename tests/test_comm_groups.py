@@ -98,6 +98,23 @@ def test_a_cyclic_mask_over_the_limit_suggests_fewer_holders():
     assert "lower masking.coverage or use fewer workers, or raise parallelism.max_comm_groups" in str(info.value)
 
 
+def test_capacities_over_the_limit_are_refused_with_a_common_share():
+    # The tiny ResNet's channel circles cut at 0, 0.2, 0.4, 0.6, 0.8 by the arcs' ends: five holder sets.
+    resnet = ["model=resnet_tiny", "dataset=synthetic_image", "trainer.global_batch_size=16", "masking=backward"]
+    capacity = "masking.capacity=[0.8,0.8,0.8,0.8,0.4,0.4,0.4,0.4]"
+    with pytest.raises(ConfigError) as info:
+        estimator_config([*resnet, capacity, "parallelism.max_comm_groups=4"], 8)
+    assert str(info.value) == (
+        "masking.capacity=[0.8, 0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.4]: makes the busiest rank join 5 process groups "
+        "(the world included) with K=8 workers at capacities [0.8, 0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.4], more than "
+        "parallelism.max_comm_groups=4; each is an NCCL communicator of about 688 MiB of device memory "
+        "(parallelism.comm_group_overhead_mb); use capacities that are multiples of a common share (of 1/m: at "
+        "most m holder sets), or raise parallelism.max_comm_groups"
+    )
+    # Halves: two holder sets, three groups for the busiest rank.
+    estimator_config([*resnet, "masking.capacity=[1,1,1,1,0.5,0.5,0.5,0.5]", "parallelism.max_comm_groups=3"], 8)
+
+
 @pytest.mark.parametrize(
     "overrides,groups",
     [(["masking=none"], 1), (["masking=backward", "masking.coverage=0.5"], 3), (["parallelism=fsdp"], 1)],

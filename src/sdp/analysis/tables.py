@@ -51,6 +51,7 @@ def variant_label(summary: Summary) -> str:
         fsdp_degree=summary.strategy.get("fsdp_degree", 1),
         activation_checkpointing=summary.activation_checkpointing,
         mixed_precision=summary.mixed_precision,
+        capacity=(summary.strategy.get("mask") or {}).get("capacity"),
     )
 
 

@@ -47,6 +47,7 @@ def pivot_keys(cfg: RunConfig) -> dict:
         fsdp_degree=cfg.parallelism.fsdp_degree,
         activation_checkpointing=cfg.parallelism.activation_checkpointing,
         mixed_precision=cfg.parallelism.mixed_precision,
+        capacity=cfg.masking.capacity,
     )
     return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 

@@ -31,9 +31,10 @@ def variant_label(
     fsdp_degree: int = 1,
     activation_checkpointing: str = "none",
     mixed_precision: str = "fp32",
+    capacity: list[float] | None = None,
 ) -> str:
-    """The paper's name of a run's variant, plus the memory-saving methods stacked on it: the
-    tables' rows (`sdp.collect`) and W&B's job_type."""
+    """The paper's name of a run's variant, plus the memory-saving methods stacked on it and the
+    workers' capacities when they differ: the tables' rows (`sdp.collect`) and W&B's job_type."""
     if masking == "none":
         label = "FSDP" if parallelism == "fsdp" else "DDP"
     elif masking == "dropout":
@@ -44,6 +45,8 @@ def variant_label(
         label = f"{'N' if granularity == 'neuron' else 'B'}-SDP {masking}"
         if parallelism == "fsdp":
             label += f" x FSDP({fsdp_degree})"
+        if capacity is not None and len(set(capacity)) > 1:
+            label += f" capacity [{','.join(f'{c:g}' for c in capacity)}]"
     if activation_checkpointing != "none":
         label += " + AC"
     if mixed_precision == "bf16":

@@ -5,8 +5,9 @@ one). The construction lays the workers' arcs end to end around each group's uni
 units on a circle of n positions and P_k = c_0 + ... + c_{k-1}, worker k holds the positions
 [round(n P_k), round(n P_{k+1})) taken mod n. Since the arcs tile the line [0, n T), T = the
 sum of the capacities, every unit has floor(T) or ceil(T) holders (as even as the capacities
-allow; at least one when T >= 1), and each worker holds round(n c_k) units of every group, to
-within one. No worker's arc is longer than the circle (c_k <= 1), so no worker holds a unit twice.
+allow; at least one when T >= 1), and each worker holds floor(n c_k) or ceil(n c_k) units of
+every group: its share, to within one unit. No worker's arc is longer than the circle
+(c_k <= 1), so no worker holds a unit twice.
 
 - A neuron group (FFN units, heads, channels) is its own circle. Its boundaries are rounded
   with an offset that turns with the group's index among the groups of its kind, so the

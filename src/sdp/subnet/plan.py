@@ -223,20 +223,25 @@ def _too_many_groups(plan: SubnetPlan, parallel: ParallelConfig, *, steps: int) 
     resampled = (
         cfg.resample_every and cfg.construction not in FIXED_HOLDER_SETS
     )  # counting stopped at the first epoch over
-    cyclic_cfg = dataclasses.replace(cfg, construction="cyclic")
-    cyclic_plan = dataclasses.replace(
-        plan, cfg=cyclic_cfg, mask=mask_of(plan.spec, cyclic_cfg, world_size=workers, shapes=plan.shapes)
-    )
-    cyclic = max(cyclic_plan.comm_groups(steps=steps))
-    if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
-        instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
+    if cfg.capacity is not None:  # the arcs' ends, mod 1, cut the circle into the holder sets
+        key, value, at = "masking.capacity", cfg.capacity, f"capacities {cfg.capacity}"
+        instead = "use capacities that are multiples of a common share (of 1/m: at most m holder sets)"
     else:
-        instead = "lower masking.coverage or use fewer workers"
+        key, value, at = "masking.construction", cfg.construction, f"C={cfg.coverage}"
+        cyclic_cfg = dataclasses.replace(cfg, construction="cyclic")
+        cyclic_plan = dataclasses.replace(
+            plan, cfg=cyclic_cfg, mask=mask_of(plan.spec, cyclic_cfg, world_size=workers, shapes=plan.shapes)
+        )
+        cyclic = max(cyclic_plan.comm_groups(steps=steps))
+        if cfg.construction != "cyclic" and cyclic <= parallel.max_comm_groups:
+            instead = f"use masking.construction=cyclic ({cyclic} per rank here)"
+        else:
+            instead = "lower masking.coverage or use fewer workers"
     return ConfigError(
-        "masking.construction",
-        cfg.construction,
+        key,
+        value,
         f"makes the busiest rank join {'at least ' if resampled else ''}{busiest} process groups (the world "
-        f"included) with K={workers} workers at C={cfg.coverage}"
+        f"included) with K={workers} workers at {at}"
         + (f" and a new mask every {cfg.resample_every} steps" if resampled else "")
         + f", more than parallelism.max_comm_groups={parallel.max_comm_groups}; each is an NCCL communicator of "
         f"about {parallel.comm_group_overhead_mb:g} MiB of device memory (parallelism.comm_group_overhead_mb); "
