@@ -30,6 +30,9 @@ workers, changes from epoch to epoch, while every invariant above holds:
 r holders per unit and, for the cyclic construction, r chunks of every group
 per worker, with per-kind loads that are epoch 0's loads handed to other
 workers. Epoch 0 is the fixed mask.
+
+Workers of different capacities (`masking.capacity`) get their masks from
+`sdp.subnet.capacity`, in the same `Mask` form (holder sets per chunk), with `holders` None.
 """
 
 from __future__ import annotations
