@@ -397,16 +397,7 @@ def holders_check(family: str, gran: str) -> dict:
     res["backward_bytes"] = gathered([mem, predicted])
 
     # Forward masking: bytes of the physical submodel, then assembly after two steps.
-    sdp = make(family, MaskingConfig(name="forward", granularity=gran, coverage=0.5), CommCounter())
-    optimizer = train(sdp, family, steps=2)
-    held = _predicted_held(sdp, family, rank)
-    predicted = {"params_bytes": 4 * held, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
-    res["forward_bytes"] = gathered([sdp.memory(optimizer), predicted])
-    full = sdp.full_parameters()
-    flat = torch.cat([full[n].reshape(-1) for n in sorted(full)])
-    mine = flat.clone()
-    dist.broadcast(flat, src=0)
-    res["assembled_rank_diff"] = max(gathered((mine - flat).abs().max().item()))
+    sdp, full = _forward_checks(family, MaskingConfig(name="forward", granularity=gran, coverage=0.5), res)
     local_vs_assembled = 0.0
     for e in sdp.subnet.grad_entries:  # every held piece, in plain coordinates
         local_vs_assembled = max(local_vs_assembled, (e.piece.view() - _at(full[e.name], e)).abs().max().item())
@@ -417,6 +408,23 @@ def holders_check(family: str, gran: str) -> dict:
     for mode in ("backward", "forward"):
         res[f"resample_{mode}"] = resample_check(family, gran, mode)
     return res
+
+
+def _forward_checks(family: str, masking: MaskingConfig, res: dict) -> tuple[SDPStrategy, dict]:
+    """Forward masking, two steps: each rank's bytes against its held units (`res["forward_bytes"]`)
+    and the assembled model against rank 0's (`res["assembled_rank_diff"]`). Returns the strategy
+    and its assembled parameters."""
+    sdp = make(family, masking, CommCounter())
+    optimizer = train(sdp, family, steps=2)
+    held = _predicted_held(sdp, family, dist.get_rank())
+    predicted = {"params_bytes": 4 * held, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
+    res["forward_bytes"] = gathered([sdp.memory(optimizer), predicted])
+    full = sdp.full_parameters()
+    flat = torch.cat([full[n].reshape(-1) for n in sorted(full)])
+    mine = flat.clone()
+    dist.broadcast(flat, src=0)
+    res["assembled_rank_diff"] = max(gathered((mine - flat).abs().max().item()))
+    return sdp, full
 
 
 def _state(sdp: SDPStrategy, optimizer) -> dict:
@@ -557,16 +565,7 @@ def capacity_check(family: str, gran: str, capacity: list[float]) -> dict:
         "optim_bytes": 8 * held + 4 * len(sdp.trainable()),
     }
     res["backward_bytes"] = gathered([sdp.memory(optimizer), predicted])
-    sdp = make(family, MaskingConfig(name="forward", granularity=gran, capacity=capacity), CommCounter())
-    optimizer = train(sdp, family, steps=2)
-    held = _predicted_held(sdp, family, rank)
-    predicted = {"params_bytes": 4 * held, "grads_bytes": 4 * held, "optim_bytes": 8 * held + 4 * len(sdp.trainable())}
-    res["forward_bytes"] = gathered([sdp.memory(optimizer), predicted])
-    full = sdp.full_parameters()
-    flat = torch.cat([full[n].reshape(-1) for n in sorted(full)])
-    mine = flat.clone()
-    dist.broadcast(flat, src=0)
-    res["assembled_rank_diff"] = max(gathered((mine - flat).abs().max().item()))
+    sdp, _ = _forward_checks(family, MaskingConfig(name="forward", granularity=gran, capacity=capacity), res)
     res["stats"] = sdp.describe()["mask"]
     for mode in ("backward", "forward"):
         trace: list = []
