@@ -200,6 +200,18 @@ def test_the_capacities_mean_is_the_runs_coverage():
             "masking.capacity=[1.0, 1.5]: has 1.5: each worker's share of the units must be in (0, 1]",
         ),
         (
+            ["masking=backward", "masking.capacity=[[1],[1]]"],
+            "masking.capacity[0]=[1]: must be a number in (0, 1], a worker's share of the units",
+        ),
+        (
+            ["masking=backward", "masking.capacity=[1,x]"],
+            "masking.capacity[1]='x': invalid: Value 'x' of type 'str' could not be converted to Float",
+        ),
+        (
+            ["masking=backward", "masking.capacity=[1,nan]"],
+            "masking.capacity[1]=nan: must be a finite number",
+        ),
+        (
             ["masking=backward", "masking.capacity=[]"],
             "masking.capacity=[]: must list one capacity per worker, each in (0, 1]",
         ),

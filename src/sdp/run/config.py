@@ -226,7 +226,8 @@ def to_typed(cfg: DictConfig) -> RunConfig:
             merged = OmegaConf.merge(OmegaConf.structured(schema), cfg[key])
             typed[key] = OmegaConf.to_object(merged)
         except OmegaConfBaseException as err:
-            field_name = getattr(err, "key", None) or "?"
+            full = getattr(err, "full_key", None)  # a list's entry: "capacity[1]", where err.key is 1
+            field_name = full if isinstance(full, str) and "[" in full else getattr(err, "key", None) or "?"
             value = getattr(err, "value", None)
             if value is None and field_name in cfg[key]:
                 value = cfg[key][field_name]
@@ -338,7 +339,8 @@ def apply_capacity(cfg: RunConfig, overrides: list[str]) -> None:
     run reports, the flop-matched protocol divides by, and the record holds); a coverage given
     on the command line that says otherwise is refused."""
     masking = cfg.masking
-    if masking.capacity is None or not masking.capacity or not all(0 < c <= 1 for c in masking.capacity):
+    numbers = all(isinstance(c, int | float) and not isinstance(c, bool) for c in masking.capacity or [])
+    if not masking.capacity or not numbers or not all(0 < c <= 1 for c in masking.capacity):
         return  # validate_masking refuses it
     mean = capacity_coverage(masking)
     given = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == "masking.coverage"]

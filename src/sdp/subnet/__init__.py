@@ -146,6 +146,9 @@ def _validate_capacity(cfg: MaskingConfig) -> None:
         )
     if not cfg.capacity:
         raise ConfigError("masking.capacity", cfg.capacity, "must list one capacity per worker, each in (0, 1]")
+    for i, c in enumerate(cfg.capacity):  # a nested list passes the typed config's check
+        if isinstance(c, bool) or not isinstance(c, int | float):
+            raise ConfigError(f"masking.capacity[{i}]", c, "must be a number in (0, 1], a worker's share of the units")
     bad = [c for c in cfg.capacity if not 0.0 < c <= 1.0]
     if bad:
         raise ConfigError(
