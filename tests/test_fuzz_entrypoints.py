@@ -55,6 +55,7 @@ RANGES = [
     ("model.num_layers", [0, -1]),
     ("dataset.seq_len", [0, -1]),
     ("masking.resample_every", [-1]),
+    ("masking.capacity", ["[0,1]", "[1.5,1]", "[-1,1]", "[]"]),
 ]
 TYPES = [
     ("trainer.max_steps", ["many", "[1,2]", "1.5"]),
@@ -68,6 +69,7 @@ TYPES = [
     ("masking.granularity", ["layer"]),
     ("optim.schedule", ["exp"]),
     ("trainer.protocol", ["3"]),
+    ("masking.capacity", ["half", "1", "[[1],[1]]", "[1,x]", "[true,1]"]),
 ]
 INT_KEYS = ["trainer.max_steps", "trainer.global_batch_size", "seed", "model.hidden_size", "model.num_layers"]
 INT_KEYS += [
@@ -98,6 +100,10 @@ CONTRADICTIONS = [
     ["masking.coverage=0.5"],
     ["parallelism.fsdp_degree=2"],
     ["masking.resample_every=5"],
+    ["masking=forward", "masking.capacity=[1,1]", "masking.coverage=0.5"],
+    ["masking=forward", "masking.capacity=[0.25,0.25]"],
+    ["masking=forward", "masking.capacity=[1,1,1,1,1,1,1,1,1]"],
+    ["masking=forward", "masking.capacity=[1,0.5]", "masking.construction=random"],
 ]
 
 
@@ -316,4 +322,4 @@ def test_a_sample_of_every_entrypoint_and_value_class_is_refused_in_one_line(tmp
 
 @pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 2 min")
 def test_every_case_of_every_entrypoint_is_refused_in_one_line(tmp_path, sentinels):
-    assert sum(run_fuzz(tmp_path, sample=None).values()) == 883  # every case, each refused
+    assert sum(run_fuzz(tmp_path, sample=None).values()) == 961  # every case, each refused
