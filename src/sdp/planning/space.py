@@ -1,0 +1,170 @@
+"""What `sdp.plan` searches: the devices a user has, and the configurations that could train on them.
+
+A *structure* is everything about a run's memory and speed but its micro-batch: DDP or FSDP,
+activation checkpointing, precision, and SDP's masking mode, units and coverage (or, on
+devices of different memory, per-worker capacities), alone or with FSDP inside each worker.
+For each structure the planner then picks the micro-batch (`trainer.grad_accum_steps`): its
+memory is affine in the micro-batch, so it is not a search dimension.
+
+Devices are given in GiB per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sdp.errors import ConfigError
+
+DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
+MAX_DEVICES = 65536
+PRECISIONS = ("fp32", "bf16")
+CHECKPOINTING = ("none", "selective", "full")
+SHARE = 0.25  # mixed devices: capacities are multiples of this share (few holder sets, few communicators)
+
+
+def parse_devices(text: str) -> list[float]:
+    """GiB of every GPU, in rank order, from `devices=`; one ConfigError naming the forms otherwise."""
+    spec = text.strip().replace(" ", "")
+    found: list[float] = []
+    if spec.startswith("[") and spec.endswith("]"):
+        parts = [p for p in spec[1:-1].split(",")]
+        found = [_gib(text, p) for p in parts] if all(parts) else []
+    else:
+        for part in spec.split("+"):
+            m = re.fullmatch(r"(\d+)[xX]([0-9.]+)", part)
+            if m is None or not 1 <= int(m.group(1)) <= MAX_DEVICES:
+                found = []
+                break
+            found += [_gib(text, m.group(2))] * int(m.group(1))
+    if not found or len(found) > MAX_DEVICES:
+        raise ConfigError("devices", text, f"must be {DEVICES_FORMS}, at most {MAX_DEVICES} GPUs")
+    return found
+
+
+def _gib(text: str, part: str) -> float:
+    try:
+        gib = float(part)
+    except ValueError:
+        raise ConfigError("devices", text, f"must be {DEVICES_FORMS}; {part!r} is not a number of GiB") from None
+    if not 0 < gib <= 1e6:
+        raise ConfigError("devices", text, f"has {part} GiB: each GPU's memory must be a number in (0, 1e6]")
+    return gib
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A run's choices but its micro-batch. `coverage` is SDP's (None: DDP or FSDP); `capacity`
+    replaces it on mixed devices; `fsdp_degree` > 1 is FSDP inside each SDP worker."""
+
+    parallelism: str = "ddp"  # ddp | fsdp
+    masking: str = "none"  # none | backward | forward
+    granularity: str = "neuron"
+    coverage: float | None = None
+    capacity: tuple[float, ...] | None = None
+    fsdp_degree: int = 1
+    checkpointing: str = "none"
+    precision: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        if self.masking == "none":
+            label = "FSDP" if self.parallelism == "fsdp" else "DDP"
+        else:
+            label = f"{self.granularity[0].upper()}-SDP {self.masking}"
+            label += f" C={self.coverage:g}" if self.capacity is None else f" capacity {_listed(self.capacity)}"
+            label += f" x FSDP({self.fsdp_degree})" if self.fsdp_degree > 1 else ""
+        label += {"none": "", "selective": " + AC(sel)", "full": " + AC"}[self.checkpointing]
+        return label + (" + bf16" if self.precision == "bf16" else "")
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that give this structure (on top of the user's own)."""
+        out = [f"masking={self.masking}"]
+        if self.masking != "none":
+            out.append(f"masking.granularity={self.granularity}")
+            out.append(
+                f"masking.coverage={self.coverage:g}"
+                if self.capacity is None
+                else f"masking.capacity={_listed(self.capacity)}"
+            )
+        out.append(f"parallelism={self.parallelism}")
+        if self.fsdp_degree > 1:
+            out.append(f"parallelism.fsdp_degree={self.fsdp_degree}")
+        if self.checkpointing != "none":
+            out.append(f"parallelism.activation_checkpointing={self.checkpointing}")
+        if self.precision != "fp32":
+            out.append(f"parallelism.mixed_precision={self.precision}")
+        return out
+
+
+def _listed(values: tuple[float, ...]) -> str:
+    return "[" + ",".join(f"{v:g}" for v in values) + "]"
+
+
+def coverages(workers: int, *, min_coverage: float) -> list[float]:
+    """SDP's coverages for K workers, r / K for r holders, from the largest below 1 down to `min_coverage`."""
+    return [r / workers for r in range(workers - 1, 0, -1) if r / workers >= min_coverage - 1e-9]
+
+
+def capacity_lists(devices: list[float], *, min_coverage: float) -> list[tuple[float, ...]]:
+    """Mixed devices: per-worker capacities proportional to each GPU's memory, at full scale and
+    scaled down (so that a model larger than the biggest card fits), in multiples of SHARE,
+    each at least SHARE and `min_coverage`, summing to at least 1; [] on uniform devices."""
+    if len(set(devices)) == 1:
+        return []
+    largest, out = max(devices), []
+    for scale in (1.0, 0.75, 0.5):
+        shares = tuple(max(SHARE, min(1.0, SHARE * int(scale * d / largest / SHARE + 1e-9))) for d in devices)
+        if min(shares) >= min_coverage - 1e-9 and sum(shares) >= 1 and len(set(shares)) > 1 and shares not in out:
+            out.append(shares)
+    return out
+
+
+def structures(devices: list[float], *, min_coverage: float, granularities: tuple[str, ...]) -> list[Structure]:
+    """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
+    equal memory per worker under SDP x FSDP)."""
+    k = len(devices)
+    sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage)] + [
+        {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
+    ]
+    out = []
+    for precision in PRECISIONS:
+        for ac in CHECKPOINTING:
+            common = {"checkpointing": ac, "precision": precision}
+            out.append(Structure(**common))
+            if k > 1:
+                out.append(Structure(parallelism="fsdp", **common))
+            for mode in ("backward", "forward"):
+                for gran in granularities:
+                    out += [Structure(masking=mode, granularity=gran, **choice, **common) for choice in sdp]
+            out += [
+                Structure("fsdp", "forward", gran, coverage=c, fsdp_degree=f, **common)
+                for f in _fsdp_degrees(devices)
+                for gran in granularities
+                for c in coverages(k // f, min_coverage=min_coverage)
+            ]
+    return out
+
+
+def _fsdp_degrees(devices: list[float]) -> list[int]:
+    """SDP x FSDP's shard-group sizes F: proper divisors of the world > 1 whose groups of F
+    consecutive GPUs have equal memory (a worker's shards are the same size on each)."""
+    k = len(devices)
+    return [
+        f
+        for f in range(2, k)
+        if k % f == 0 and k // f > 1 and all(len(set(devices[i : i + f])) == 1 for i in range(0, k, f))
+    ]
+
+
+def command(base: list[str], structure: Structure, *, nproc: int, accum: int, nnodes: int = 1) -> str:
+    """The exact `python -m sdp.train` line of a candidate: the user's overrides, the structure's,
+    and its gradient accumulation."""
+    launch = f"--nproc-per-node={nproc // nnodes}" + (f" --nnodes={nnodes}" if nnodes > 1 else "")
+    args = [*base, *structure.overrides(), f"trainer.grad_accum_steps={accum}"]
+    return f"python -m sdp.train {launch} " + " ".join(_quoted(a) for a in args)
+
+
+def _quoted(arg: str) -> str:
+    """An argument as a shell reads it back unchanged (brackets and commas quoted)."""
+    return f"'{arg}'" if re.search(r"[^\w.=+/:@-]", arg) else arg

@@ -1,0 +1,104 @@
+"""sdp.plan's inputs and search space: the devices, the structures weighed, their commands."""
+
+import shlex
+
+import pytest
+
+from sdp.errors import ConfigError
+from sdp.planning.space import Structure, capacity_lists, command, coverages, parse_devices, structures
+from sdp.run.config import load_config
+
+FORMS = "must be NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
+
+
+@pytest.mark.parametrize(
+    "text,gib",
+    [
+        ("8x80", [80.0] * 8),
+        ("[80,80,24,24]", [80, 80, 24, 24]),
+        ("4x80+4x24", [80.0] * 4 + [24.0] * 4),
+        ("1x40.5", [40.5]),
+    ],
+)
+def test_devices_are_gib_per_gpu_in_rank_order(text, gib):
+    assert parse_devices(text) == gib
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("8x", f"devices='8x': {FORMS}, at most 65536 GPUs"),
+        ("[80,,80]", f"devices='[80,,80]': {FORMS}, at most 65536 GPUs"),
+        ("0x80", f"devices='0x80': {FORMS}, at most 65536 GPUs"),
+        ("[80,big]", f"devices='[80,big]': {FORMS}; 'big' is not a number of GiB"),
+        ("[80,nan]", "devices='[80,nan]': has nan GiB: each GPU's memory must be a number in (0, 1e6]"),
+        ("2x0", "devices='2x0': has 0 GiB: each GPU's memory must be a number in (0, 1e6]"),
+    ],
+)
+def test_an_unknown_device_string_is_one_line(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_devices(text)
+    assert str(info.value) == message
+
+
+def test_the_search_space_of_eight_equal_gpus():
+    space = structures([80.0] * 8, min_coverage=0.25, granularities=("neuron", "block"))
+    labels = [s.label for s in space]
+    assert len(labels) == len(set(labels)) == 6 * 34  # precision x checkpointing, 34 structures each
+    assert coverages(8, min_coverage=0.25) == [0.875, 0.75, 0.625, 0.5, 0.375, 0.25]
+    assert {"DDP", "FSDP", "N-SDP forward C=0.25 + AC + bf16", "B-SDP backward C=0.875 + AC(sel)"} <= set(labels)
+    # FSDP inside each SDP worker: F = 2 (K = 4 workers) and F = 4 (K = 2).
+    assert {s.fsdp_degree for s in space} == {1, 2, 4}
+    assert "N-SDP forward C=0.25 x FSDP(2)" in labels and "N-SDP forward C=0.5 x FSDP(4)" in labels
+    assert all(s.capacity is None for s in space)
+
+
+def test_mixed_gpus_add_capacities_in_quarters_proportional_to_memory():
+    devices = parse_devices("[80,80,24,24]")
+    assert capacity_lists(devices, min_coverage=0.25) == [
+        (1, 1, 0.25, 0.25),
+        (0.75, 0.75, 0.25, 0.25),
+        (0.5, 0.5, 0.25, 0.25),
+    ]
+    assert capacity_lists(devices, min_coverage=0.3) == []  # a small card's quarter is below the floor
+    space = structures(devices, min_coverage=0.25, granularities=("neuron",))
+    assert "N-SDP forward capacity [1,1,0.25,0.25] + bf16" in {s.label for s in space}
+    # SDP x FSDP only over shard groups of equal cards: (80, 80) and (24, 24), never (80, 24).
+    assert {s.fsdp_degree for s in space} == {1, 2}
+    assert {s.fsdp_degree for s in structures([80.0, 24.0] * 2, min_coverage=0.25, granularities=("neuron",))} == {1}
+
+
+def test_a_command_is_the_overrides_as_the_shell_gives_them_back():
+    structure = Structure(masking="forward", capacity=(1.0, 1.0, 0.5, 0.5), checkpointing="full", precision="bf16")
+    line = command(["model=llama_tiny", "dataset=synthetic_text"], structure, nproc=4, accum=2)
+    assert line == (
+        "python -m sdp.train --nproc-per-node=4 model=llama_tiny dataset=synthetic_text masking=forward "
+        "masking.granularity=neuron 'masking.capacity=[1,1,0.5,0.5]' parallelism=ddp "
+        "parallelism.activation_checkpointing=full parallelism.mixed_precision=bf16 trainer.grad_accum_steps=2"
+    )
+    args = shlex.split(line)[3:]
+    assert args[0] == "--nproc-per-node=4" and "masking.capacity=[1,1,0.5,0.5]" in args
+    two_nodes = command([], Structure(), nproc=8, accum=1, nnodes=2)
+    assert two_nodes.startswith("python -m sdp.train --nproc-per-node=4 --nnodes=2 masking=none ")
+
+
+def test_every_structure_is_a_config_the_entrypoint_checks():
+    # Each structure's overrides compose and are checked as sdp.train checks them: accepted, or
+    # refused in one line (the planner counts those); the tiny LLaMA's 2 heads refuse C = 0.25.
+    base = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
+    space = structures([80.0, 80.0, 24.0, 24.0], min_coverage=0.25, granularities=("neuron", "block"))
+    accepted, refused = 0, {}
+    for s in space[: len(space) // 6]:  # one precision x checkpointing combination: every kind of structure
+        try:
+            cfg = load_config([*base, *s.overrides()], world_size=4, offline=True, check_data=False)
+        except ConfigError as err:
+            refused[s.label] = str(err)
+            continue
+        accepted += 1
+        assert cfg.masking.name == s.masking and cfg.parallelism.fsdp_degree == s.fsdp_degree
+    assert accepted == 21 and len(refused) == 7
+    assert refused["N-SDP forward C=0.25"].startswith("masking.coverage=0.25: leaves worker 1 of 4 no unit of")
+    # A quarter of 2 heads is half a head: every neuron-level capacity list with a 0.25 is refused.
+    capacities = [label for label in refused if "capacity" in label]
+    assert len(capacities) == 6 and all(label.startswith("N-SDP") for label in capacities)
+    assert all("less than one" in refused[label] for label in capacities)
