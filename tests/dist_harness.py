@@ -204,6 +204,14 @@ def stacking() -> dict:
             checkpointed = make(family, masking, CommCounter(), ac="full")
             train(checkpointed, family, steps=3)
             res[f"{mode}_ac_full"] = max_diff(base, checkpointed.full_parameters())
+        if family == "llama":  # FSDP in bf16 with selective checkpointing against without (torch >= 2.13 re-casts
+            # a block's inputs under a profiler range when the backward recomputes it)
+            runs = []
+            for ac in ("none", "selective"):
+                model = make(family, None, CommCounter(), fsdp=True, autocast=torch.bfloat16, ac=ac)
+                train(model, family, steps=3)
+                runs.append({k: v.detach().clone() for k, v in model.full_parameters().items()})
+            res["fsdp_bf16_ac_selective"] = max_diff(*runs)
         if family == "llama":  # the LM head and loss chunked against full, under FSDP
             res["fsdp_loss"] = {
                 d: loss_check(

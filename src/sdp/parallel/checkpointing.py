@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sdp.models import blocks
@@ -37,6 +38,22 @@ SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_cudnn_attention.default,
 }
+
+
+# FSDP2 (torch >= 2.13) casts a block's inputs to its mixed-precision dtype again when the
+# backward recomputes the block, under a profiler range (`record_function`) that the original
+# forward ran outside the checkpointed region. Selective checkpointing replays the region's
+# operations one for one and stops at the range it never saw ("encountered during backward but
+# not found in storage"): profiler ranges are markers, not computation, so it skips them, as it
+# skips `detach`.
+_torch_checkpoint.SAC_IGNORED_OPS.update(
+    {
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
 
 
 def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
