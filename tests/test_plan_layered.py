@@ -1,0 +1,47 @@
+"""The planner's estimate from two short traces: a LLaMA's figures are affine in its depth."""
+
+import pytest
+from conftest import estimator_config
+
+from sdp.planning.estimator import estimate
+from sdp.planning.layered import extends, layered_estimate
+
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
+
+
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        ([], 0),
+        (["parallelism=fsdp", "parallelism.mixed_precision=bf16", "parallelism.activation_checkpointing=selective"], 1),
+        (["masking=backward", "masking.coverage=0.5"], 3),
+        (["masking=forward", "masking.capacity=[1,1,0.5,0.5]", "parallelism.activation_checkpointing=full"], 3),
+        (["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"], 2),
+    ],
+)
+def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
+    cfg = estimator_config([*TINY, *overrides], 4)
+    assert extends(cfg) and cfg.model.num_layers == 4
+    whole, line = estimate(cfg, world_size=4, rank=rank), layered_estimate(cfg, world_size=4, rank=rank)
+    assert line["method"] == "layers 1 and 2, extended to 4"
+    for key in ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "comm_groups"):
+        assert line["memory"][key] == whole["memory"][key], key
+    assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
+    assert line["n_params"] == whole["n_params"] and line["flops_per_step"] == whole["flops_per_step"]
+    # Backward masking's senders turn from layer to layer: a rank's bytes sent are close, not equal.
+    assert line["comm_bytes_per_step"] == pytest.approx(whole["comm_bytes_per_step"], rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["masking=forward", "masking.granularity=block", "masking.coverage=0.5"], ["model.num_layers=2"]],
+)
+def test_what_the_line_cannot_carry_is_traced_whole(overrides):
+    cfg = estimator_config([*TINY, *overrides], 4)
+    assert not extends(cfg)
+    assert layered_estimate(cfg, world_size=4, rank=0)["method"] == "traced"
+
+
+def test_models_of_unequal_layers_are_traced_whole():
+    cfg = estimator_config(["model=resnet_tiny", "dataset=synthetic_image", "trainer.global_batch_size=8"], 2)
+    assert not extends(cfg)
