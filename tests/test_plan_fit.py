@@ -1,0 +1,66 @@
+"""Does a configuration fit, and with which micro-batch: the planner's probe of one structure."""
+
+import dataclasses
+
+import pytest
+from conftest import estimator_config
+
+import sdp.planning.fit
+from sdp.planning.fit import GIB, fit, traced_ranks
+from sdp.planning.layered import layered_estimate
+
+TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """A stand-in estimator: rank r's peak is (1 + r) GiB + micro-batch x 0.25 GiB; the probes are recorded."""
+    seen = []
+
+    def estimate(cfg, *, world_size, rank):
+        micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
+        seen.append((rank, micro))
+        return {"memory": {"peak_with_comm_groups_bytes": int(((1 + rank) + micro * 0.25) * GIB)}}
+
+    monkeypatch.setattr(sdp.planning.fit, "layered_estimate", estimate)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    return estimator_config(TINY, 2)  # 8 samples a rank: micro-batches 8, 4, 2, 1
+
+
+def test_the_largest_micro_batch_that_fits_is_chosen(ddp, probes):
+    found = fit(ddp, devices=[1.6, 1.6])  # rank 0: 1.25, 1.5, 2, 3 GiB at 1, 2, 4, 8
+    assert found.fits and (found.micro, found.accum) == (2, 4)
+    assert found.peaks == {0: int(1.5 * GIB)} and found.headroom == pytest.approx(1 - 1.5 / 1.6)
+    assert probes == [(0, 1), (0, 4), (0, 2)]  # the smallest first, then bisection
+    everything = fit(ddp, devices=[3.0, 3.0])
+    assert (everything.micro, everything.accum, everything.headroom) == (8, 1, 0.0)
+
+
+def test_a_configuration_that_fits_nowhere_reports_its_smallest_peak(ddp, probes):
+    miss = fit(ddp, devices=[1.0, 1.0])
+    assert not miss.fits and miss.accum is None and miss.micro == 1 and miss.peaks == {0: int(1.25 * GIB)}
+    assert miss.headroom == pytest.approx(-0.25) and probes == [(0, 1)]
+
+
+def test_mixed_gpus_trace_one_rank_of_each_kind(probes):
+    cfg = estimator_config([*TINY, "masking=forward", "masking.capacity=[1,1,0.5,0.5]"], 4)
+    assert traced_ranks(cfg, devices=[80, 80, 24, 24]) == [0, 2]
+    assert traced_ranks(cfg, devices=[80, 24, 80, 24]) == [0, 1, 2, 3]
+    uniform = estimator_config([*TINY, "masking=forward", "masking.coverage=0.5"], 4)
+    assert traced_ranks(uniform, devices=[80] * 4) == [0]
+    assert traced_ranks(uniform, devices=[80, 80, 24, 24]) == [0, 2]
+    # 4 samples a rank. Rank 0: 1.25, 1.5, 2 GiB; rank 2: 3.25, 3.5, 4 GiB at 1, 2, 4: the
+    # small card's rank decides.
+    found = fit(cfg, devices=[2.0, 2.0, 3.5, 3.5])
+    assert (found.micro, found.peaks) == (2, {0: int(1.5 * GIB), 2: int(3.5 * GIB)}) and found.headroom == 0.0
+
+
+def test_the_probe_is_the_layered_estimate_at_that_micro_batch(ddp):
+    run = dataclasses.replace(ddp, trainer=dataclasses.replace(ddp.trainer, grad_accum_steps=4))
+    peak = layered_estimate(run, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]
+    found = fit(ddp, devices=[peak / GIB] * 2)  # exactly micro-batch 2's peak: 4 does not fit
+    assert (found.micro, found.accum, found.headroom) == (2, 4, 0.0) and found.peaks == {0: peak}
