@@ -68,3 +68,15 @@ def test_the_roll_call_names_the_ranks_that_did_not_report(monkeypatch):
     assert lost.reporter  # the lowest rank that reported
     monkeypatch.setattr(dist, "_CONTROL", None)  # no store to ask: this rank reports
     assert dist.roll_call(world, wait_s=0.5) is None
+
+
+def test_a_fake_process_group_leaves_the_excepthook_as_it_found_it():
+    # torch's init_process_group wraps sys.excepthook with a "[rankN]: " prefix and never unwraps
+    # it: a process tracing many ranks (the planner) stacked one prefix per group.
+    import sys
+
+    before = sys.excepthook
+    for rank in (0, 3):
+        with dist.fake_process_group(rank, 4):
+            assert sys.excepthook is not before
+    assert sys.excepthook is before and not tdist.is_initialized()

@@ -252,11 +252,15 @@ def fake_process_group(rank: int, world_size: int):
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # init_process_group wraps sys.excepthook to prefix "[rankN]: " and never unwraps it: a
+    # process that traces many ranks (the planner) would stack one prefix per group.
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
