@@ -32,6 +32,7 @@ from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
 from sdp.run.trainer import TrainerConfig, forward_loss, train_step
 from sdp.subnet import MaskingConfig
+from sdp.subnet.capacity import listed
 from sdp.subnet.resample import gather_state
 from sdp.subnet.strategy import SDPStrategy
 
@@ -79,7 +80,7 @@ def overrides(
         keys |= {f"masking.{k}": getattr(masking, k) for k in ("granularity", "coverage", "resample_every")}
     if masking is not None and masking.capacity is not None:  # the capacities' mean is the coverage
         del keys["masking.coverage"]
-        keys["masking.capacity"] = "[" + ",".join(f"{c:g}" for c in masking.capacity) + "]"
+        keys["masking.capacity"] = listed(masking.capacity)
     if family == "llama":
         keys["model.loss"] = "full" if loss_chunk is None else "chunked"
         keys["model.loss_chunk_tokens"] = loss_chunk or 1024

@@ -26,6 +26,7 @@ from sdp.planning.step_time import Cluster, format_step_times, load_cluster, pla
 from sdp.run.config import RunConfig, load_config
 from sdp.rundir import write_error
 from sdp.subnet import is_sdp
+from sdp.subnet.capacity import listed
 
 RANK_CHOICES = ("busiest", "all")
 
@@ -113,7 +114,7 @@ def run_label(cfg: RunConfig) -> str:
         return par
     variant = f"{cfg.masking.granularity[0].upper()}-SDP {cfg.masking.name} C={cfg.masking.coverage:g}"
     if cfg.masking.capacity is not None:
-        variant += f" capacity=[{','.join(f'{c:g}' for c in cfg.masking.capacity)}]"
+        variant += f" capacity={listed(cfg.masking.capacity)}"
     f = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
     return variant + (f" x FSDP(F={f})" if f > 1 else "")
 

@@ -4,9 +4,9 @@ A rank's peak grows with its micro-batch, so for one structure (`sdp.planning.sp
 planner wants the largest micro-batch, the fewest accumulation steps, whose every rank fits
 its own GPU. `fit` traces the smallest micro-batch first (if that does not fit, nothing
 does: the miss is reported with its peak), then bisects the per-rank batch's divisors. Each
-probe is `layered_estimate` at exactly that micro-batch, not an extrapolation in it: the
-chunked loss's temporaries make the peak concave in the micro-batch (llama_1b: 0.37, 0.75,
-0.76, 0.79 GiB at 1, 2, 4, 8).
+probe is `layered_estimate` at exactly that micro-batch, not an extrapolation in it: the peak
+is not affine in the micro-batch, since the chunked loss's temporaries grow with it only up to
+one chunk (llama_1b: 0.37, 0.75, 0.76, 0.79 GiB at 1, 2, 4, 8).
 
 Ranks that hold the same and sit on GPUs of the same size have the same peak: one of each
 kind is traced (the busiest rank alone on equal devices without capacities). The peak a rank

@@ -4,10 +4,11 @@ A LLaMA's decoder layers are identical, so at a fixed micro-batch every figure t
 counts (parameters, gradients and optimizer state, each part of the live peak, FLOPs, bytes
 sent) is affine in the number of layers L: the embedding, head and loss once, each layer the
 same again. `layered_estimate` traces the run with 1 and 2 layers and extends the line to L.
-Measured on this machine for `llama_1b` (16 layers, sequences of 1024): under DDP with K = 8
-the line's peak is within 0.03% of the whole trace at micro-batches 1 to 16; under N-SDP
-forward at C = 0.5 with K = 4, within 0.01% on ranks 0 and 3, in 0.9 s against 4.4 to 5.6 s
-for the whole trace. tests/test_plan_layered.py checks that tiny LLaMAs' figures are equal.
+Measured on this machine for `llama_1b` (24 layers, sequences of 1024): under DDP with K = 8
+the line's peak is the whole trace's to the byte at micro-batches 1 to 16; under N-SDP
+forward at C = 0.5 with K = 4, within 0.01% on ranks 0 and 3 (a worker's units differ by one
+from layer to layer), in 0.9 s against 4.4 to 5.6 s for the whole trace.
+tests/test_plan_layered.py checks that tiny LLaMAs' figures are equal.
 
 What the line cannot carry is traced whole: models whose layers differ (ResNet, Swin), and
 block-level SDP, whose mask (which blocks a worker holds) depends on how many blocks there

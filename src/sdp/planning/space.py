@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from sdp.errors import ConfigError
+from sdp.subnet.capacity import listed
 
 DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
 MAX_DEVICES = 65536
@@ -28,7 +29,7 @@ def parse_devices(text: str) -> list[float]:
     spec = text.strip().replace(" ", "")
     found: list[float] = []
     if spec.startswith("[") and spec.endswith("]"):
-        parts = [p for p in spec[1:-1].split(",")]
+        parts = spec[1:-1].split(",")
         found = [_gib(text, p) for p in parts] if all(parts) else []
     else:
         for part in spec.split("+"):
@@ -72,7 +73,7 @@ class Structure:
             label = "FSDP" if self.parallelism == "fsdp" else "DDP"
         else:
             label = f"{self.granularity[0].upper()}-SDP {self.masking}"
-            label += f" C={self.coverage:g}" if self.capacity is None else f" capacity {_listed(self.capacity)}"
+            label += f" C={self.coverage:g}" if self.capacity is None else f" capacity {listed(self.capacity)}"
             label += f" x FSDP({self.fsdp_degree})" if self.fsdp_degree > 1 else ""
         label += {"none": "", "selective": " + AC(sel)", "full": " + AC"}[self.checkpointing]
         return label + (" + bf16" if self.precision == "bf16" else "")
@@ -85,7 +86,7 @@ class Structure:
             out.append(
                 f"masking.coverage={self.coverage:g}"
                 if self.capacity is None
-                else f"masking.capacity={_listed(self.capacity)}"
+                else f"masking.capacity={listed(self.capacity)}"
             )
         out.append(f"parallelism={self.parallelism}")
         if self.fsdp_degree > 1:
@@ -95,10 +96,6 @@ class Structure:
         if self.precision != "fp32":
             out.append(f"parallelism.mixed_precision={self.precision}")
         return out
-
-
-def _listed(values: tuple[float, ...]) -> str:
-    return "[" + ",".join(f"{v:g}" for v in values) + "]"
 
 
 def coverages(workers: int, *, min_coverage: float) -> list[float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from sdp.paths import DamagedFile, describe
 from sdp.redact import redact
 from sdp.rundir.files import SUMMARY, write_json_atomic
+from sdp.subnet.capacity import listed
 
 # running: started; completed; stopped: stopped early with a checkpoint (stop_at_step, a
 # signal), resumable; failed; interrupted: Ctrl-C.
@@ -46,7 +47,7 @@ def variant_label(
         if parallelism == "fsdp":
             label += f" x FSDP({fsdp_degree})"
         if capacity is not None and len(set(capacity)) > 1:
-            label += f" capacity [{','.join(f'{c:g}' for c in capacity)}]"
+            label += f" capacity {listed(capacity)}"
     if activation_checkpointing != "none":
         label += " + AC"
     if mixed_precision == "bf16":

@@ -188,6 +188,11 @@ def _scaled_to_one(capacity: list[float]) -> str:
     return "[" + ",".join(f"{min(1.0, np.ceil(c / total * 1000) / 1000):g}" for c in capacity) + "]"
 
 
+def listed(capacity) -> str:
+    """A capacity list as the command line takes it and labels show it: [1,1,0.5,0.5]."""
+    return "[" + ",".join(f"{c:g}" for c in capacity) + "]"
+
+
 def check_length(capacity: list[float], *, workers: int, fsdp_degree: int = 1) -> None:
     """One capacity per SDP worker (K = the world size, or the world / parallelism.fsdp_degree)."""
     if len(capacity) == workers:
