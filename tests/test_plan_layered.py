@@ -6,7 +6,13 @@ from conftest import estimator_config
 from sdp.planning.estimator import estimate
 from sdp.planning.layered import extends, layered_estimate
 
-TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
+TINY = [
+    "model=llama_tiny",
+    "model.num_layers=6",
+    "dataset=synthetic_text",
+    "dataset.seq_len=64",
+    "trainer.global_batch_size=16",
+]
 
 
 @pytest.mark.parametrize(
@@ -21,9 +27,9 @@ TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "tra
 )
 def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
     cfg = estimator_config([*TINY, *overrides], 4)
-    assert extends(cfg) and cfg.model.num_layers == 4
+    assert extends(cfg) and cfg.model.num_layers == 6
     whole, line = estimate(cfg, world_size=4, rank=rank), layered_estimate(cfg, world_size=4, rank=rank)
-    assert line["method"] == "layers 1 and 2, extended to 4"
+    assert line["method"] == "layers 3 and 4, extended to 6"
     for key in ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "comm_groups"):
         assert line["memory"][key] == whole["memory"][key], key
     assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
@@ -34,7 +40,7 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
 
 @pytest.mark.parametrize(
     "overrides",
-    [["masking=forward", "masking.granularity=block", "masking.coverage=0.5"], ["model.num_layers=2"]],
+    [["masking=forward", "masking.granularity=block", "masking.coverage=0.5"], ["model.num_layers=4"]],
 )
 def test_what_the_line_cannot_carry_is_traced_whole(overrides):
     cfg = estimator_config([*TINY, *overrides], 4)

@@ -2,11 +2,21 @@
 
 A rank's peak grows with its micro-batch, so for one structure (`sdp.planning.space`) the
 planner wants the largest micro-batch, the fewest accumulation steps, whose every rank fits
-its own GPU. `fit` traces the smallest micro-batch first (if that does not fit, nothing
-does: the miss is reported with its peak), then bisects the per-rank batch's divisors. Each
-probe is `layered_estimate` at exactly that micro-batch, not an extrapolation in it: the peak
-is not affine in the micro-batch, since the chunked loss's temporaries grow with it only up to
-one chunk (llama_1b: 0.37, 0.75, 0.76, 0.79 GiB at 1, 2, 4, 8).
+its own GPU. Each probe is `layered_estimate` at exactly that micro-batch, not an
+extrapolation in it: the peak is not affine in the micro-batch, since the chunked loss's
+temporaries grow with it only up to one chunk (llama_1b: 0.37, 0.75, 0.76, 0.79 GiB at 1, 2,
+4, 8). Without a guess, `fit` traces the smallest micro-batch first (if that does not fit,
+nothing does: the miss is reported with its peak), then bisects the per-rank batch's
+divisors; with a guess (a similar structure's choice) it walks from there, up while the next
+fits or down until one does.
+
+A probe traces at most two accumulation steps (`short_run`): a rank's peak is the same for
+every accumulation count from 2 on (the gradients persist from the first micro-step; each
+later one is the same), its FLOPs are proportional to the count, and the step-time model's
+seconds are affine in it. DDP's and SDP's micro-steps before the last communicate nothing,
+so each adds one micro-step's compute; FSDP's gather the weights again, so its slope is
+traced (one accumulation step against two). tests/test_plan_fit.py checks the peak and the
+step against whole traces.
 
 Ranks that hold the same and sit on GPUs of the same size have the same peak: one of each
 kind is traced (the busiest rank alone on equal devices without capacities). The peak a rank
@@ -20,11 +30,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from sdp.planning.estimator import busiest_rank
-from sdp.planning.layered import layered_estimate
+from sdp.planning.layered import extend_steps, layered_estimate
+from sdp.planning.step_time import Cluster
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
 
 GIB = 2**30
+SHORT_ACCUM = 2  # the accumulation steps a probe traces at most
 
 
 @dataclass
@@ -36,7 +48,9 @@ class Fit:
     micro: int
     peaks: dict[int, int]  # rank -> predicted peak bytes, communicators included
     gib: dict[int, float]  # rank -> its GPU's GiB
-    estimates: dict[int, dict]
+    estimates: dict[int, dict]  # rank -> its (short) estimate
+    probes: int = 1  # micro-batches traced to decide
+    step: dict | None = None  # the slowest traced rank's `step_times` at `accum` (with a cluster)
 
     @property
     def fits(self) -> bool:
@@ -62,29 +76,83 @@ def traced_ranks(cfg: RunConfig, *, devices: list[float]) -> list[int]:
     return sorted(kinds.values())
 
 
-def fit(cfg: RunConfig, *, devices: list[float]) -> Fit:
-    """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank)."""
+def short_run(cfg: RunConfig, *, world: int, micro: int) -> tuple[RunConfig, int]:
+    """`cfg` at micro-batch `micro`, with at most SHORT_ACCUM accumulation steps (the global
+    batch shrunk to match), and the accumulation steps of the real run."""
+    accum = cfg.trainer.global_batch_size // world // micro
+    short = min(accum, SHORT_ACCUM)
+    trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=short, global_batch_size=micro * world * short)
+    return dataclasses.replace(cfg, trainer=trainer), accum
+
+
+def probe(cfg: RunConfig, *, devices: list[float], ranks: list[int], micro: int, cluster: Cluster | None) -> Fit:
+    """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch)."""
     world = len(devices)
-    per_rank = cfg.trainer.global_batch_size // world
-    options = [per_rank // a for a in range(1, per_rank + 1) if per_rank % a == 0]  # micro-batches, largest first
+    short, accum = short_run(cfg, world=world, micro=micro)
+    ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster) for r in ranks}
+    peaks = {r: e["memory"]["peak_with_comm_groups_bytes"] for r, e in ests.items()}
+    return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
+
+
+def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster) -> dict:
+    """The step on `cluster` at the fit's accumulation: the slowest traced rank's, extended from
+    the short trace (see the module doc)."""
+    world, short = len(devices), min(found.accum, SHORT_ACCUM)
+    rank = max(found.estimates, key=lambda r: found.estimates[r]["step"]["step_overlapped_s"])
+    step = found.estimates[rank]["step"]
+    if found.accum == short:
+        return step
+    if cfg.parallelism.name == "fsdp":
+        trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=1, global_batch_size=found.micro * world)
+        single = dataclasses.replace(cfg, trainer=trainer)  # one micro-step of the same size
+        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster)["step"]
+        return extend_steps(one, step, found.accum - 1)
+    per_micro = step["compute_s"] / short
+    keys = ("compute_s", "step_serial_s", "step_overlapped_s")
+    return {**step, **{k: step[k] + (found.accum - short) * per_micro for k in keys}}
+
+
+def fit(cfg: RunConfig, *, devices: list[float], cluster: Cluster | None = None, guess: int | None = None) -> Fit:
+    """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
+    starting from `guess` when given; with a cluster, its step there (`Fit.step`)."""
+    per_rank = cfg.trainer.global_batch_size // len(devices)
+    options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
     ranks = traced_ranks(cfg, devices=devices)
+    seen: list[Fit] = []
 
-    def probe(micro: int) -> Fit:
-        accum = per_rank // micro
-        run = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=accum))
-        ests = {r: layered_estimate(run, world_size=world, rank=r) for r in ranks}
-        peaks = {r: e["memory"]["peak_with_comm_groups_bytes"] for r, e in ests.items()}
-        return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
+    def at(i: int) -> Fit:
+        seen.append(probe(cfg, devices=devices, ranks=ranks, micro=options[i], cluster=cluster))
+        return seen[-1]
 
-    smallest = probe(options[-1])
-    if smallest.headroom < 0:
-        return dataclasses.replace(smallest, accum=None)
-    best, lo, hi = smallest, 0, len(options) - 1  # options[hi] fits; find the first (largest) that does
+    found = _walk(at, len(options), None if guess is None else max(i for i, m in enumerate(options) if m <= guess))
+    found = dataclasses.replace(found, probes=len(seen))
+    if found.fits and cluster is not None:
+        found.step = step_at(cfg, found, devices=devices, cluster=cluster)
+    return found
+
+
+def _walk(at, n: int, start: int | None) -> Fit:
+    """The fit at the largest index in [0, n) that fits (the smallest's miss when none does).
+    Without a start: the smallest, then bisection above it. From a start (a guess): up one
+    index at a time while the next fits, or bisection below it when it misses."""
+    found = at(start or 0)
+    if found.headroom < 0 and not start:
+        return dataclasses.replace(found, accum=None)
+    if found.headroom >= 0 and start is not None:
+        while start + 1 < n and (bigger := at(start + 1)).headroom >= 0:
+            found, start = bigger, start + 1
+        return found
+    fits = found.headroom >= 0
+    best, lo, hi = (found, 0, n - 1) if fits else (None, 0, start - 1)  # the answer's index is in [lo, hi]
+    best_at = 0 if fits else None
     while lo < hi:
-        mid = (lo + hi) // 2
-        found = probe(options[mid])
-        if found.headroom >= 0:
-            best, hi = found, mid
+        mid = (lo + hi + 1) // 2
+        probed = at(mid)
+        if probed.headroom >= 0:
+            best, best_at, lo = probed, mid, mid
         else:
-            lo = mid + 1
-    return best
+            hi = mid - 1
+    if best_at == lo:
+        return best
+    last = at(lo)  # lo == 0, not probed yet
+    return last if last.headroom >= 0 else dataclasses.replace(last, accum=None)

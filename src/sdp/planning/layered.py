@@ -3,17 +3,26 @@
 A LLaMA's decoder layers are identical, so at a fixed micro-batch every figure the estimator
 counts (parameters, gradients and optimizer state, each part of the live peak, FLOPs, bytes
 sent) is affine in the number of layers L: the embedding, head and loss once, each layer the
-same again. `layered_estimate` traces the run with 1 and 2 layers and extends the line to L.
-Measured on this machine for `llama_1b` (24 layers, sequences of 1024): under DDP with K = 8
-the line's peak is the whole trace's to the byte at micro-batches 1 to 16; under N-SDP
-forward at C = 0.5 with K = 4, within 0.01% on ranks 0 and 3 (a worker's units differ by one
-from layer to layer), in 0.9 s against 4.4 to 5.6 s for the whole trace.
+same again, once the depth is past the point where the step's peak moment settles.
+`layered_estimate` traces the run with 3 and 4 layers and extends the line to L. Shallower
+traces peak elsewhere: with few layers the loss's temporaries or the optimizer step set the
+peak, with more the layers' activations do, so the peak is a maximum of lines and the line
+through the first depths can be far under it. Measured on this machine for llama_1b (24
+layers, K = 8, 2 accumulation steps of micro-batch 8): the busiest rank's peak through
+(1, 2), (2, 3) and (3, 4) against the whole trace is -14%, -0.002%, - for N-SDP backward
+C=0.25 + bf16; -, -6.9%, -0.006% for N-SDP forward C=0.25 + selective AC; -0.01%, -0.007% for
+N-SDP forward C=0.5 x FSDP(2); 0.0000% for FSDP + bf16. A peak moment that only takes over
+past 4 layers would still be missed: `scripts/plan_check.py` compares every row of a plan
+with `sdp.estimate` (docs/plan.md).
 tests/test_plan_layered.py checks that tiny LLaMAs' figures are equal.
 
 What the line cannot carry is traced whole: models whose layers differ (ResNet, Swin), and
 block-level SDP, whose mask (which blocks a worker holds) depends on how many blocks there
 are. The process groups a rank joins are the short traces' (a neuron mask has the same
-holder sets at any depth); the collective timeline is not extended (`timeline` is None).
+holder sets at any depth). The collective timeline is not extended (`timeline` is None): with
+a cluster, the step-time model runs on each short trace and its seconds are extended the same
+way (`step`), within 1.6% of the whole trace's overlapped step for llama_1b under DDP, FSDP,
+both SDP modes and SDP x FSDP on h100_nvlink and h100_ib (2 nodes).
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ from __future__ import annotations
 import dataclasses
 
 from sdp.planning.estimator import estimate
+from sdp.planning.step_time import Cluster, step_times
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp
 
-SHORT = (1, 2)  # the depths traced
+SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the module doc)
 
 
 def extends(cfg: RunConfig) -> bool:
@@ -37,16 +47,22 @@ def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
 
 
-def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
+def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Cluster | None = None) -> dict:
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
-    model allows (`method` says which); the whole trace otherwise."""
+    model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
+    `step_times` on it (None without)."""
     if not extends(cfg):
-        return {**estimate(cfg, world_size=world_size, rank=rank), "method": "traced"}
+        whole = estimate(cfg, world_size=world_size, rank=rank)
+        return {**whole, "method": "traced", "step": None if cluster is None else step_times(whole, cluster)}
     one, two = (estimate(with_layers(cfg, n), world_size=world_size, rank=rank) for n in SHORT)
     layers = cfg.model.num_layers
 
     def line(a: float, b: float) -> int:
         return round(a + (layers - SHORT[0]) * (b - a))
+
+    step = None
+    if cluster is not None:
+        step = extend_steps(step_times(one, cluster), step_times(two, cluster), layers - SHORT[0])
 
     mem1, mem2 = one["memory"], two["memory"]
     memory = dict(mem2)
@@ -66,6 +82,17 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
             k: line(v, two["comm_bytes_per_step_by_kind"][k]) for k, v in one["comm_bytes_per_step_by_kind"].items()
         },
         "timeline": None,
+        "step": step,
         "trace_s": round(one["trace_s"] + two["trace_s"], 2),
         "method": f"layers {SHORT[0]} and {SHORT[1]}, extended to {layers}",
     }
+
+
+def extend_steps(first: dict, second: dict, times: float) -> dict:
+    """`step_times` figures on the line through `first` and `second`, `times` steps past `first`
+    (each second, and each kind's exposed seconds)."""
+    out = {k: v + times * (second[k] - v) for k, v in first.items() if k != "exposed_by_kind_s"}
+    kinds = first["exposed_by_kind_s"].keys() | second["exposed_by_kind_s"].keys()
+    a, b = first["exposed_by_kind_s"], second["exposed_by_kind_s"]
+    out["exposed_by_kind_s"] = {k: a.get(k, 0.0) + times * (b.get(k, 0.0) - a.get(k, 0.0)) for k in sorted(kinds)}
+    return out

@@ -3,8 +3,12 @@
 A *structure* is everything about a run's memory and speed but its micro-batch: DDP or FSDP,
 activation checkpointing, precision, and SDP's masking mode, units and coverage (or, on
 devices of different memory, per-worker capacities), alone or with FSDP inside each worker.
-For each structure the planner then picks the micro-batch (`trainer.grad_accum_steps`): its
-memory is affine in the micro-batch, so it is not a search dimension.
+For each structure the planner then picks the micro-batch (`trainer.grad_accum_steps`,
+`sdp.planning.fit`), so the micro-batch is not a dimension of this space.
+
+SDP's coverages are r / K for r holders per unit. By default the planner weighs those on the
+grid the paper and our replica tables measure (0.75, 0.5, 0.25, and 0.125 below it), the
+quality caveats of results/cpu_replica/claims.md speak of; `every=True` weighs every r / K.
 
 Devices are given in GiB per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`.
 """
@@ -21,6 +25,7 @@ DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts j
 MAX_DEVICES = 65536
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
+GRID = (0.75, 0.5, 0.25, 0.125)  # the default coverages, where r / K hits them
 SHARE = 0.25  # mixed devices: capacities are multiples of this share (few holder sets, few communicators)
 
 
@@ -98,9 +103,12 @@ class Structure:
         return out
 
 
-def coverages(workers: int, *, min_coverage: float) -> list[float]:
-    """SDP's coverages for K workers, r / K for r holders, from the largest below 1 down to `min_coverage`."""
-    return [r / workers for r in range(workers - 1, 0, -1) if r / workers >= min_coverage - 1e-9]
+def coverages(workers: int, *, min_coverage: float, every: bool = True) -> list[float]:
+    """SDP's coverages for K workers, r / K for r holders, from the largest below 1 down to
+    `min_coverage`: all of them, or (every=False) those on GRID, all of them when none is."""
+    found = [r / workers for r in range(workers - 1, 0, -1) if r / workers >= min_coverage - 1e-9]
+    grid = [c for c in found if any(abs(c - g) < 1e-9 for g in GRID)]
+    return found if every or not grid else grid
 
 
 def capacity_lists(devices: list[float], *, min_coverage: float) -> list[tuple[float, ...]]:
@@ -117,16 +125,24 @@ def capacity_lists(devices: list[float], *, min_coverage: float) -> list[tuple[f
     return out
 
 
-def structures(devices: list[float], *, min_coverage: float, granularities: tuple[str, ...]) -> list[Structure]:
+def structures(
+    devices: list[float],
+    *,
+    min_coverage: float,
+    granularities: tuple[str, ...],
+    every: bool = True,
+    precisions: tuple[str, ...] = PRECISIONS,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+) -> list[Structure]:
     """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
-    equal memory per worker under SDP x FSDP)."""
+    equal memory per worker under SDP x FSDP); `every`: all coverages r / K, not the grid's."""
     k = len(devices)
-    sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage)] + [
+    sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage, every=every)] + [
         {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
     ]
     out = []
-    for precision in PRECISIONS:
-        for ac in CHECKPOINTING:
+    for precision in precisions:
+        for ac in checkpointing:
             common = {"checkpointing": ac, "precision": precision}
             out.append(Structure(**common))
             if k > 1:
@@ -138,7 +154,7 @@ def structures(devices: list[float], *, min_coverage: float, granularities: tupl
                 Structure("fsdp", "forward", gran, coverage=c, fsdp_degree=f, **common)
                 for f in _fsdp_degrees(devices)
                 for gran in granularities
-                for c in coverages(k // f, min_coverage=min_coverage)
+                for c in coverages(k // f, min_coverage=min_coverage, every=every)
             ]
     return out
 

@@ -1,0 +1,310 @@
+"""`python -m sdp.plan` (and `sdp-plan`): from "these are my GPUs" to the command that fits and runs fastest.
+
+    python -m sdp.plan [group=option ...] [key=value ...] devices=8x80|[80,...,24]|4x80+4x24
+                       [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]] [objective=speed|memory]
+                       [min_coverage=0.25] [coverages=grid|all] [granularity=neuron,block]
+                       [precision=fp32,bf16] [checkpointing=none,selective,full] [top=20|all]
+                       [workers=2] [world_size=K] [out=DIR]
+
+The run's own overrides (model, dataset, seq_len, global batch, optimizer ...) are kept; what the
+planner chooses (masking, parallelism, FSDP degree, activation checkpointing, precision, gradient
+accumulation) is refused on its command line, with the planner's own key that narrows it.
+`sdp.planning.space` lists the structures, `sdp.planning.search` fits each to the devices,
+`sdp.planning.report` ranks and shows them; docs/plan.md says how, and how far to trust it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdp.errors import ConfigError
+from sdp.paths import check_writable
+from sdp.planning.fit import GIB
+from sdp.planning.layered import extends
+from sdp.planning.report import OBJECTIVES, format_rows, nearest_miss, plot, ranked, row, write_json
+from sdp.planning.search import Composer, Outcome, search
+from sdp.planning.space import CHECKPOINTING, PRECISIONS, parse_devices, structures
+from sdp.planning.step_time import Cluster, load_cluster, place
+from sdp.run.config import RunConfig, validate
+
+OWN = (
+    "devices", "cluster", "nodes", "objective", "min_coverage", "coverages", "granularity",
+    "precision", "checkpointing", "top", "workers", "world_size", "out",
+)  # fmt: skip
+CHOSEN = {  # the planner's choices, and the planner's key that narrows each
+    "masking": "min_coverage=, coverages=, granularity=",
+    "variant": "min_coverage=, coverages=, granularity=",
+    "parallelism": "the table's FSDP rows",
+    "parallelism.fsdp_degree": "the table's SDP x FSDP rows",
+    "parallelism.activation_checkpointing": "checkpointing=",
+    "parallelism.mixed_precision": "precision=",
+    "trainer.grad_accum_steps": "the table's micro-batch column (trainer.global_batch_size= sets the batch)",
+}
+
+
+@dataclass
+class PlanArgs:
+    overrides: list[str]
+    devices: list[float]
+    devices_text: str
+    cluster: Cluster | None
+    nodes: int
+    objective: str
+    min_coverage: float
+    every: bool  # coverages=all
+    granularities: tuple[str, ...] | None  # None: the default for the model
+    precisions: tuple[str, ...]
+    checkpointing: tuple[str, ...]
+    top: int
+    workers: int
+    out: Path | None
+
+
+def _choices(key: str, value: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    picked = tuple(v.strip() for v in value.split(","))
+    if not all(picked) or not set(picked) <= set(allowed) or len(set(picked)) != len(picked):
+        raise ConfigError(key, value, f"must be a comma list of {', '.join(allowed)}")
+    return picked
+
+
+def _number(key: str, value: str, lo: float, hi: float, *, whole: bool = False) -> float:
+    try:
+        number = int(value) if whole else float(value)
+    except ValueError:
+        number = None
+    if number is None or not lo <= number <= hi:
+        raise ConfigError(key, value, f"must be {'an integer' if whole else 'a number'} in [{lo:g}, {hi:g}]")
+    return number
+
+
+def _split(argv: list[str]) -> tuple[dict, list[str], dict]:
+    own, overrides, cluster_keys = {}, [], {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in OWN:
+            own[key] = value
+        elif sep and key.startswith("cluster."):
+            cluster_keys[key.removeprefix("cluster.")] = value
+        else:
+            bare = key.lstrip("+~")
+            chosen = bare if bare in CHOSEN else "masking" if bare.startswith("masking.") else None
+            if sep and chosen is not None:
+                raise ConfigError(key, value, f"is the planner's to choose; narrow it with {CHOSEN[chosen]}")
+            overrides.append(arg)
+    return own, overrides, cluster_keys
+
+
+def parse_args(argv: list[str]) -> PlanArgs:
+    own, overrides, cluster_keys = _split(argv)
+    if "devices" not in own:
+        raise ConfigError(
+            "devices", None, "is required: devices=8x80, devices=[80,80,24,24] or devices=4x80+4x24 (GiB)"
+        )
+    devices = parse_devices(own["devices"])
+    world = len(devices)
+    if "world_size" in own and own["world_size"] != str(world):
+        raise ConfigError("devices", own["devices"], f"lists {world} GPUs, but world_size={own['world_size']}")
+    cluster, nodes = None, 1
+    if "cluster" in own:
+        cluster = load_cluster(own["cluster"], cluster_keys)
+        wanted = int(_number("nodes", own["nodes"], 1, world, whole=True)) if "nodes" in own else None
+        place(cluster, world_size=world, nodes=wanted)
+        nodes = world // cluster.ranks_per_node
+    elif cluster_keys or "nodes" in own:
+        raise ConfigError("cluster", None, "is required with nodes= and cluster.KEY=")
+    objective = own.get("objective", "speed")
+    if objective not in OBJECTIVES:
+        raise ConfigError("objective", objective, f"allowed: {', '.join(OBJECTIVES)}")
+    if objective == "speed" and cluster is None:
+        raise ConfigError("cluster", None, "is required for objective=speed (the step time); or objective=memory")
+    if own.get("coverages", "grid") not in ("grid", "all"):
+        raise ConfigError("coverages", own["coverages"], "allowed: grid (0.75, 0.5, 0.25, 0.125), all (every r / K)")
+    top = own.get("top", "20")
+    return PlanArgs(
+        overrides,
+        devices,
+        own["devices"],
+        cluster,
+        nodes,
+        objective,
+        _number("min_coverage", own.get("min_coverage", "0.25"), 1e-6, 1),
+        own.get("coverages") == "all",
+        _choices("granularity", own["granularity"], ("neuron", "block")) if "granularity" in own else None,
+        _choices("precision", own.get("precision", ",".join(PRECISIONS)), PRECISIONS),
+        _choices("checkpointing", own.get("checkpointing", ",".join(CHECKPOINTING)), CHECKPOINTING),
+        10**9 if top == "all" else int(_number("top", top, 1, 10**6, whole=True)),
+        int(_number("workers", own.get("workers", str(min(2, os.cpu_count() or 1))), 1, 64, whole=True)),
+        Path(own["out"]) if "out" in own else None,
+    )
+
+
+def run_facts(args: PlanArgs, cfg: RunConfig) -> dict:
+    """What every row shares: the user's overrides, the world, the work of a step."""
+    text = cfg.dataset.kind == "text"
+    per_step = cfg.trainer.global_batch_size * (cfg.dataset.seq_len if text else 1)
+    return {
+        "overrides": args.overrides,
+        "world": len(args.devices),
+        "protocol": cfg.trainer.protocol,
+        "unit": "tokens" if text else "samples",
+        "per_step": per_step,
+    }
+
+
+def describe_devices(devices: list[float]) -> str:
+    parts, i = [], 0
+    while i < len(devices):
+        j = i
+        while j < len(devices) and devices[j] == devices[i]:
+            j += 1
+        parts.append(f"{j - i} x {devices[i]:g}")
+        i = j
+    return " + ".join(parts) + " GiB"
+
+
+def header(args: PlanArgs, cfg: RunConfig, n: int) -> str:
+    machine = "no cluster (memory only)"
+    if args.cluster is not None:
+        machine = f"{args.cluster.name}, {args.nodes} node(s) of {args.cluster.ranks_per_node}"
+    seq = f" x seq {cfg.dataset.seq_len}" if cfg.dataset.kind == "text" else ""
+    return (
+        f"plan: model={cfg.model.name}, global batch {cfg.trainer.global_batch_size}{seq}, on "
+        f"{describe_devices(args.devices)} ({machine}); objective {args.objective}; {n} structures"
+    )
+
+
+def progress_line(outcome: Outcome, done: int, total: int) -> None:
+    found, label = outcome.found, outcome.structure.label
+    if found is None:
+        what = f"refused: {outcome.reason}"
+    else:
+        busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
+        peak, gib = found.peaks[busiest] / GIB, found.gib[busiest]
+        fits = f"fits at micro-batch {found.micro} x {found.accum}" if found.fits else "does not fit at micro-batch 1"
+        what = f"{fits}, peak {peak:.2f} / {gib:g} GiB ({found.probes} probes, {outcome.seconds:.1f} s)"
+    print(f"[{done}/{total}] {label}: {what}", file=sys.stderr, flush=True)
+
+
+def nothing_fits(args: PlanArgs, rows: list[dict]) -> str:
+    """The one-line refusal when no row fits: the smallest peak and what would make it fit."""
+    miss = nearest_miss(rows)
+    if miss is None:
+        first = next(r["refused"] for r in rows)
+        return f"devices={args.devices_text}: nothing can be planned: every structure is refused, e.g. {first}"
+    gib, b = miss["devices_gib"][miss["busiest_rank"]], miss["breakdown_gib"]
+    static = b["weights"] + b["grads"] + b["optimizer"] + (miss["peak_gib"] - b["total"])
+    ways = []
+    if static < gib:
+        share = (gib - static) / max(b["activations"] + b["temporaries"], 1e-9)
+        ways.append(f"fewer tokens per rank (about {share:.0%} of them: a shorter dataset.seq_len or image)")
+    else:
+        ways.append(f"more devices (weights, gradients, optimizer state and communicators alone take {static:.1f} GiB)")
+    k = len(args.devices)
+    if args.min_coverage > 1 / k + 1e-9 or not args.every:
+        ways.append(f"a lower coverage (min_coverage={1 / k:g} coverages=all)")
+    return (
+        f"devices={args.devices_text}: nothing fits: the smallest peak is {miss['peak_gib']:.2f} GiB on a "
+        f"{gib:g} GiB GPU ({miss['run']}, micro-batch 1, rank {miss['busiest_rank']}); to fit, try "
+        + ", or ".join(ways)
+    )
+
+
+def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
+    """The arguments, the composer, and the run's plain config, checked: every refusal of a bad
+    input, before any trace."""
+    args = parse_args(argv)
+    composer = Composer(args.overrides, world=len(args.devices))
+    plain = composer.base("none", "ddp")
+    validate(plain, world_size=len(args.devices), offline=True, check_data=False)
+    if args.out is not None:
+        check_writable("out", args.out)
+    return args, composer, plain
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, composer, plain = prepare(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    granularities = args.granularities or (("neuron",) if extends(plain) else ("neuron", "block"))
+    space = structures(
+        args.devices,
+        min_coverage=args.min_coverage,
+        granularities=granularities,
+        every=args.every,
+        precisions=args.precisions,
+        checkpointing=args.checkpointing,
+    )
+    print(header(args, plain, len(space)), flush=True)
+    start = time.perf_counter()
+    outcomes = search(
+        space,
+        compose=composer,
+        devices=args.devices,
+        cluster=args.cluster,
+        workers=args.workers,
+        progress=progress_line,
+    )
+    seconds = time.perf_counter() - start
+    facts = run_facts(args, plain)
+    rows = [row(o, run=facts, cluster_nodes=args.nodes) for o in outcomes]
+    best = ranked(rows, objective=args.objective)
+    print(summary(rows, best, seconds=seconds, workers=args.workers), flush=True)
+    if best:
+        print(format_rows(best, unit=facts["unit"], top=args.top), flush=True)
+    if args.out is not None:
+        save(args, rows, best, facts, seconds=seconds, title=header(args, plain, len(space)))
+    if not best:
+        print(f"error: {nothing_fits(args, rows)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def summary(rows: list[dict], best: list[dict], *, seconds: float, workers: int) -> str:
+    refused = sum("refused" in r for r in rows)
+    missing = len(rows) - len(best) - refused
+    probes = sum(r.get("probes", 0) for r in rows)
+    lines = [
+        f"searched {len(rows)} structures in {seconds:.0f} s ({workers} processes, {probes} micro-batches "
+        f"traced): {len(best)} fit, {missing} do not, {refused} refused by the entrypoint's checks"
+    ]
+    miss = nearest_miss(rows)
+    if miss is not None:
+        gib = miss["devices_gib"][miss["busiest_rank"]]
+        lines.append(
+            f"nearest miss: {miss['run']}, {miss['peak_gib']:.2f} GiB on rank {miss['busiest_rank']}'s "
+            f"{gib:g} GiB at micro-batch 1 ({-miss['headroom']:.1%} over)"
+        )
+    lines.append("caveats cite results/cpu_replica/claims.md by claim number")
+    return "\n".join(lines)
+
+
+def save(args: PlanArgs, rows: list[dict], best: list[dict], facts: dict, *, seconds: float, title: str) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "devices_gib": args.devices,
+        "cluster": None if args.cluster is None else args.cluster.name,
+        "nodes": args.nodes,
+        "objective": args.objective,
+        "run": facts,
+        "search_s": round(seconds, 1),
+        "ranked": [r["run"] for r in best],
+        "rows": rows,
+    }
+    write_json(args.out / "plan.json", payload)
+    plot(rows, args.out / "pareto.png", title=title)
+    print(f"wrote {args.out / 'plan.json'} and {args.out / 'pareto.png'}", flush=True)
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

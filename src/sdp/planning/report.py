@@ -1,0 +1,172 @@
+"""What `sdp.plan` shows of a search: ranked rows, their caveats, the misses, the JSON and the plot.
+
+A row's caveat is what results/cpu_replica/claims.md, our 3-seed replica report, supports
+about its kind of run, with the claim it comes from; nothing is said where the report says
+nothing (DDP and FSDP train the same model; uneven capacities have no replica table).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sdp.planning.fit import GIB
+from sdp.planning.search import Outcome
+from sdp.planning.space import Structure, command
+
+CLAIMS = "results/cpu_replica/claims.md"
+# The claims a caveat cites, by number, as the report's headings name them.
+CITED = {
+    "1": "Claim 1: Under FLOP-matching, SDP maintains or improves quality",
+    "4a": "Claim 4a: Quality degrades below C ≈ 0.3.",
+    "4b": "Claim 4b: Quality stays near DDP for C ≳ 0.3.",
+    "5": "Claim 5: Backward masking (unbiased gradients) tracks DDP more closely",
+}
+OBJECTIVES = ("speed", "memory")
+
+
+def caveat(s: Structure, *, protocol: str) -> str:
+    """The replica report's word on a structure's quality (claim numbers of CLAIMS)."""
+    if s.masking == "none":
+        return ""
+    coverage = s.coverage if s.capacity is None else sum(s.capacity) / len(s.capacity)
+    notes = ["C < 0.3 lost quality (4a)"] if coverage < 0.3 else []
+    if protocol == "flop_matched":
+        notes.append("1/C the steps: held or beat DDP (1)")
+    elif s.masking == "forward":
+        notes.append("trails DDP at its step count (4b, 5)")
+    else:
+        notes.append("trailed DDP on LLaMA, not on ResNet (4b)")
+    return "; ".join(notes)
+
+
+def row(outcome: Outcome, *, run: dict, cluster_nodes: int) -> dict:
+    """One structure's row: what it is, whether and how it fits, its step, its command."""
+    s, found = outcome.structure, outcome.found
+    out = {"run": s.label, "structure": _structure(s), "seconds": round(outcome.seconds, 2)}
+    if found is None:
+        return {**out, "fits": False, "refused": outcome.reason}
+    ests = found.estimates
+    busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
+    out |= {
+        "fits": found.fits,
+        "micro_batch": found.micro,
+        "accum": found.accum,
+        "peaks_bytes": found.peaks,
+        "peaks_gib": {r: round(p / GIB, 3) for r, p in found.peaks.items()},
+        "devices_gib": found.gib,
+        "busiest_rank": busiest,
+        "peak_gib": round(found.peaks[busiest] / GIB, 3),
+        "headroom": round(found.headroom, 4),
+        "breakdown_gib": {k: round(v / GIB, 3) for k, v in ests[busiest]["memory"]["peak_breakdown"].items()},
+        "comm_groups": ests[busiest]["memory"]["comm_groups"],
+        "method": ests[busiest]["method"],
+        "probes": found.probes,
+        "caveat": caveat(s, protocol=run["protocol"]),
+    }
+    if found.fits:
+        out["command"] = command(run["overrides"], s, nproc=run["world"], accum=found.accum, nnodes=cluster_nodes)
+        if found.step is not None:
+            out["step_s"] = found.step["step_overlapped_s"]
+            out["exposed_comm_s"] = found.step["exposed_overlapped_s"]
+            out[f"{run['unit']}_per_s"] = run["per_step"] / found.step["step_overlapped_s"]
+    return out
+
+
+def _structure(s: Structure) -> dict:
+    return {
+        "parallelism": s.parallelism,
+        "masking": s.masking,
+        "granularity": s.granularity if s.masking != "none" else None,
+        "coverage": s.coverage,
+        "capacity": None if s.capacity is None else list(s.capacity),
+        "fsdp_degree": s.fsdp_degree,
+        "activation_checkpointing": s.checkpointing,
+        "mixed_precision": s.precision,
+    }
+
+
+def ranked(rows: list[dict], *, objective: str) -> list[dict]:
+    """The rows that fit, best first: the fastest step (speed), or the smallest share of its
+    GPU on the busiest rank (memory), ties broken by the other."""
+    fitting = [r for r in rows if r["fits"]]
+    slow = float("inf")
+    if objective == "speed":
+        return sorted(fitting, key=lambda r: (r.get("step_s", slow), 1 - r["headroom"]))
+    return sorted(fitting, key=lambda r: (1 - r["headroom"], r.get("step_s", slow)))
+
+
+def nearest_miss(rows: list[dict]) -> dict | None:
+    """The traced row that does not fit whose busiest rank is over by the smallest share."""
+    misses = [r for r in rows if not r["fits"] and "refused" not in r]
+    return max(misses, key=lambda r: r["headroom"]) if misses else None
+
+
+def _peaks(r: dict) -> str:
+    if len(r["peaks_gib"]) == 1:
+        (rank, peak), gib = next(iter(r["peaks_gib"].items())), r["devices_gib"][r["busiest_rank"]]
+        return f"{peak:.3g} / {gib:g} (r{rank})"
+    return ", ".join(f"r{k} {v:.3g}/{r['devices_gib'][k]:g}" for k, v in r["peaks_gib"].items())
+
+
+def format_rows(best: list[dict], *, unit: str, top: int) -> str:
+    """The ranked rows, each followed by its command."""
+    lines = [
+        f"  {'#':>3}  {'run':<44} {'micro x acc':>11}  {'peak GiB (rank)':<24} {'free':>5}  "
+        f"{'step s':>8}  {unit + '/s':>12}  caveat (claims)"
+    ]
+    for i, r in enumerate(best[:top], 1):
+        step = f"{r['step_s']:8.4f}" if "step_s" in r else f"{'-':>8}"
+        rate = f"{r[f'{unit}_per_s']:12,.0f}" if "step_s" in r else f"{'-':>12}"
+        lines.append(
+            f"  {i:>3}  {r['run']:<44} {r['micro_batch']:>5} x {r['accum']:<3}  {_peaks(r):<24} "
+            f"{r['headroom']:5.0%}  {step}  {rate}  {r['caveat']}"
+        )
+        lines.append(f"       $ {r['command']}")
+    if len(best) > top:
+        lines.append(f"  ... {len(best) - top} more rows that fit (top=all shows them; out=DIR keeps them all)")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """The fitting rows no other beats on both the busiest share of its GPU and the step."""
+    pts = sorted((r for r in rows if r["fits"] and "step_s" in r), key=lambda r: (1 - r["headroom"], r["step_s"]))
+    front, best = [], float("inf")
+    for r in pts:
+        if r["step_s"] < best:
+            front.append(r)
+            best = r["step_s"]
+    return front
+
+
+def plot(rows: list[dict], path: Path, *, title: str) -> None:
+    """Memory (the busiest rank's share of its GPU) against step time: every traced row, the
+    Pareto front joined and labelled."""
+    import matplotlib  # noqa: PLC0415  (lazy: only out=DIR draws, and pyplot costs seconds)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for mode, color in (("none", "tab:blue"), ("backward", "tab:green"), ("forward", "tab:orange")):
+        pts = [r for r in rows if r["fits"] and "step_s" in r and r["structure"]["masking"] == mode]
+        label = {"none": "DDP / FSDP", "backward": "SDP backward", "forward": "SDP forward"}[mode]
+        ax.scatter([100 * (1 - r["headroom"]) for r in pts], [r["step_s"] for r in pts], c=color, s=18, label=label)
+    front = pareto(rows)
+    ax.plot([100 * (1 - r["headroom"]) for r in front], [r["step_s"] for r in front], "k--", lw=1, label="Pareto front")
+    for r in front:
+        ax.annotate(
+            r["run"], (100 * (1 - r["headroom"]), r["step_s"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
+        )
+    ax.axvline(100, color="red", lw=0.8)
+    ax.set_xlabel("peak of the busiest rank, % of its GPU")
+    ax.set_ylabel("predicted step time, s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,156 @@
+"""The planner's search: every structure of `sdp.planning.space`, composed, checked and fitted.
+
+Composing a structure's config through Hydra costs 0.1 to 0.4 s, so each (masking,
+parallelism) pair is composed once and its structures are copies with their fields set, then
+checked as `load_config` checks them (tests/test_plan_search.py checks the copies equal the
+composed configs). A structure the entrypoint would refuse is kept with its one-line reason.
+
+Structures that differ only in coverage and activation checkpointing form a *family*; a
+family is fitted in order, each structure's micro-batch search starting from the one before
+it (their peaks are close), and the families are spread over worker processes (`workers`,
+2 on this 2-core machine), forked after the imports.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sdp.errors import ConfigError
+from sdp.planning.fit import Fit, fit
+from sdp.planning.space import CHECKPOINTING, Structure
+from sdp.planning.step_time import Cluster
+from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
+from sdp.subnet import capacity_coverage
+
+
+@dataclass
+class Outcome:
+    """One structure's result: its fit (None: refused, with `reason`) and the seconds it took."""
+
+    structure: Structure
+    found: Fit | None
+    reason: str = ""
+    seconds: float = 0.0
+
+
+class Composer:
+    """RunConfigs of structures on top of the user's overrides, composed once per (masking,
+    parallelism) pair."""
+
+    def __init__(self, overrides: list[str], *, world: int):
+        self.overrides, self.world = overrides, world
+        self._bases: dict[tuple[str, str], RunConfig] = {}
+
+    def base(self, masking: str, parallelism: str) -> RunConfig:
+        key = (masking, parallelism)
+        if key not in self._bases:
+            self._bases[key] = typed_config([*self.overrides, f"masking={masking}", f"parallelism={parallelism}"])
+        return self._bases[key]
+
+    def __call__(self, s: Structure) -> RunConfig:
+        """The structure's config, checked; ConfigError as the entrypoint would raise it."""
+        cfg = copy.deepcopy(self.base(s.masking, s.parallelism))
+        plain = self.base("none", s.parallelism)  # the step budget before the protocol scales it
+        cfg.trainer.max_steps, cfg.optim.warmup_steps = plain.trainer.max_steps, plain.optim.warmup_steps
+        if s.masking != "none":
+            cfg.masking.granularity = s.granularity
+            cfg.masking.capacity = None if s.capacity is None else list(s.capacity)
+            cfg.masking.coverage = s.coverage if s.capacity is None else capacity_coverage(cfg.masking)
+        par = cfg.parallelism
+        par.fsdp_degree, par.activation_checkpointing, par.mixed_precision = (
+            s.fsdp_degree,
+            s.checkpointing,
+            s.precision,
+        )
+        apply_protocol(cfg)
+        validate(cfg, world_size=self.world, offline=True, check_data=False)
+        return cfg
+
+
+def family_of(s: Structure) -> tuple:
+    """What a family shares: all but the coverage (or capacity) and the checkpointing."""
+    return (s.parallelism, s.masking, s.granularity, s.fsdp_degree, s.precision, s.capacity is None)
+
+
+def families(space: list[Structure]) -> list[list[Structure]]:
+    """The space in families, each ordered by coverage (largest first) then checkpointing, the
+    largest families first (they are the longest tasks)."""
+    out: dict[tuple, list[Structure]] = {}
+    for s in space:
+        out.setdefault(family_of(s), []).append(s)
+    order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
+    for group in out.values():
+        group.sort(key=lambda s: (-(s.coverage or 0), s.capacity and [-c for c in s.capacity], order[s.checkpointing]))
+    return sorted(out.values(), key=len, reverse=True)
+
+
+def fit_family(task: tuple) -> list[Outcome]:
+    """Fit a family's structures in order: the first from the largest micro-batch (on GPUs that
+    hold the model it fits there), each next from the one before's."""
+    pairs, devices, cluster = task
+    out, guess = [], pairs[0][1].trainer.global_batch_size  # the first from the largest micro-batch
+    for s, cfg in pairs:
+        start = time.perf_counter()
+        found = fit(cfg, devices=devices, cluster=cluster, guess=guess)
+        guess = found.micro
+        out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start))
+    return out
+
+
+def _light(found: Fit) -> Fit:
+    """The fit without its estimates' timelines (they stay in the worker)."""
+    ests = {r: {k: v for k, v in e.items() if k != "timeline"} for r, e in found.estimates.items()}
+    return dataclasses.replace(found, estimates=ests)
+
+
+def _quiet_worker() -> None:
+    torch.set_num_threads(1)  # a trace under fake tensors runs no kernels; one thread per process
+
+
+def search(
+    space: list[Structure],
+    *,
+    compose: Callable[[Structure], RunConfig],
+    devices: list[float],
+    cluster: Cluster | None,
+    workers: int,
+    progress: Callable[[Outcome, int, int], None] | None = None,
+) -> list[Outcome]:
+    """Every structure's outcome, in the order of `space`."""
+    outcomes: dict[Structure, Outcome] = {}
+    tasks = []
+    for family in families(space):
+        pairs = []
+        for s in family:
+            try:
+                pairs.append((s, compose(s)))
+            except ConfigError as err:
+                outcomes[s] = Outcome(s, None, reason=str(err))
+        if pairs:
+            tasks.append((pairs, devices, cluster))
+    done = len(outcomes)
+    if workers > 1 and len(tasks) > 1:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_quiet_worker) as pool:
+            results = pool.imap_unordered(fit_family, tasks)
+            for result in results:
+                done = _record(result, outcomes, done, len(space), progress)
+    else:
+        for task in tasks:
+            done = _record(fit_family(task), outcomes, done, len(space), progress)
+    return [outcomes[s] for s in space]
+
+
+def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progress) -> int:
+    for outcome in result:
+        outcomes[outcome.structure] = outcome
+        done += 1
+        if progress is not None:
+            progress(outcome, done, total)
+    return done
