@@ -39,7 +39,7 @@ def test_families_share_all_but_coverage_and_checkpointing():
     space = structures([80.0] * 4, min_coverage=0.25, granularities=("neuron",), every=False)
     groups = families(space)
     assert sum(map(len, groups)) == len(space) and len(groups) == 2 * 5  # precision x (DDP, FSDP, 2 modes, x FSDP(2))
-    forward = next(g for g in groups if g[0].masking == "forward" and g[0].fsdp_degree == 1 and g[0].precision == "fp32")
+    forward = next(g for g in groups if (g[0].masking, g[0].fsdp_degree, g[0].precision) == ("forward", 1, "fp32"))
     assert [s.label for s in forward[:4]] == [
         "N-SDP forward C=0.75",
         "N-SDP forward C=0.75 + AC(sel)",

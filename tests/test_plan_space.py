@@ -60,7 +60,8 @@ def test_mixed_gpus_add_capacities_in_quarters_proportional_to_memory():
         (0.75, 0.75, 0.25, 0.25),
         (0.5, 0.5, 0.25, 0.25),
     ]
-    assert capacity_lists(devices, min_coverage=0.3) == []  # a small card's quarter is below the floor
+    # The floor is the run's coverage, the capacities' mean (0.625, 0.5, 0.375 above).
+    assert capacity_lists(devices, min_coverage=0.5) == [(1, 1, 0.25, 0.25), (0.75, 0.75, 0.25, 0.25)]
     space = structures(devices, min_coverage=0.25, granularities=("neuron",))
     assert "N-SDP forward capacity [1,1,0.25,0.25] + bf16" in {s.label for s in space}
     # SDP x FSDP only over shard groups of equal cards: (80, 80) and (24, 24), never (80, 24).
@@ -79,7 +80,10 @@ def test_a_command_is_the_overrides_as_the_shell_gives_them_back():
     args = shlex.split(line)[3:]
     assert args[0] == "--nproc-per-node=4" and "masking.capacity=[1,1,0.5,0.5]" in args
     two_nodes = command([], Structure(), nproc=8, accum=1, nnodes=2)
-    assert two_nodes.startswith("python -m sdp.train --nproc-per-node=4 --nnodes=2 masking=none ")
+    assert two_nodes.startswith(
+        "python -m sdp.train --nproc-per-node=4 --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 "
+        "masking=none "
+    )
 
 
 def test_every_structure_is_a_config_the_entrypoint_checks():

@@ -126,6 +126,12 @@ class CommCounter:
                 keep.append((step, (begin, end)))
         self._pending = keep
 
+    def discard_step(self) -> None:
+        """Forget the bytes of the step under way (the estimator's warm-up step, which is
+        shorter than the steps it counts)."""
+        self._current.clear()
+        self._waits.clear()
+
     def per_step(self) -> dict[str, float]:
         """Mean bytes per step by kind."""
         return {kind: self.total[kind] / max(1, self.steps) for kind in COMM_KINDS}

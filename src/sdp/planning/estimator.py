@@ -235,10 +235,10 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
                 batches = itertools.repeat(dummy_batch(cfg, micro))
                 timer = PhaseTimer(device)
 
-                def run_step() -> torch.Tensor:
-                    return train_step(
-                        strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=device, timer=timer
-                    )
+                def run_step(accum: int | None = None) -> torch.Tensor:
+                    steps = accum or cfg.trainer.grad_accum_steps
+                    run = dataclasses.replace(cfg.trainer, grad_accum_steps=steps)
+                    return train_step(strategy, optimizer, batches, cfg=run, micro=micro, device=device, timer=timer)
 
                 flops, static, peak, timeline = _profiled_steps(strategy, optimizer, run_step, comm)
         except ConfigError:
@@ -275,13 +275,14 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
 
 
 def _profiled_steps(strategy, optimizer, run_step, comm: CommCounter) -> tuple[int, dict, dict, list[dict]]:
-    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak. Step 2's
-    collectives are kept with the FLOPs done when each is issued and needed (the step-time
-    model), those it needs itself (issued in it or just before). Returns (FLOPs, static
-    bytes, peak by kind, timeline)."""
+    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak. Step 1 only
+    allocates what every later step finds (gradients, optimizer state): one micro-step does
+    that as well as all of them, at a fraction of the trace. Step 2's collectives are kept with
+    the FLOPs done when each is issued and needed (the step-time model), those it needs itself
+    (issued in it or just before). Returns (FLOPs, static bytes, peak by kind, timeline)."""
     comm.timeline = []
-    run_step()
-    comm.end_step()
+    run_step(1)
+    comm.discard_step()
     with flop_counter() as counter:
         comm.position = counter.get_total_flops
         run_step()

@@ -114,13 +114,15 @@ def coverages(workers: int, *, min_coverage: float, every: bool = True) -> list[
 def capacity_lists(devices: list[float], *, min_coverage: float) -> list[tuple[float, ...]]:
     """Mixed devices: per-worker capacities proportional to each GPU's memory, at full scale and
     scaled down (so that a model larger than the biggest card fits), in multiples of SHARE,
-    each at least SHARE and `min_coverage`, summing to at least 1; [] on uniform devices."""
+    each at least SHARE, their mean (the run's coverage) at least `min_coverage`, summing to at
+    least 1; [] on uniform devices."""
     if len(set(devices)) == 1:
         return []
     largest, out = max(devices), []
     for scale in (1.0, 0.75, 0.5):
         shares = tuple(max(SHARE, min(1.0, SHARE * int(scale * d / largest / SHARE + 1e-9))) for d in devices)
-        if min(shares) >= min_coverage - 1e-9 and sum(shares) >= 1 and len(set(shares)) > 1 and shares not in out:
+        mean_ok = sum(shares) / len(shares) >= min_coverage - 1e-9
+        if mean_ok and sum(shares) >= 1 and len(set(shares)) > 1 and shares not in out:
             out.append(shares)
     return out
 
@@ -172,8 +174,10 @@ def _fsdp_degrees(devices: list[float]) -> list[int]:
 
 def command(base: list[str], structure: Structure, *, nproc: int, accum: int, nnodes: int = 1) -> str:
     """The exact `python -m sdp.train` line of a candidate: the user's overrides, the structure's,
-    and its gradient accumulation."""
-    launch = f"--nproc-per-node={nproc // nnodes}" + (f" --nnodes={nnodes}" if nnodes > 1 else "")
+    and its gradient accumulation; on several nodes, torchrun's rendezvous at $MASTER_ADDR."""
+    launch = f"--nproc-per-node={nproc // nnodes}"
+    if nnodes > 1:  # the same line on every node; MASTER_ADDR: the first node's address
+        launch += f" --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
     args = [*base, *structure.overrides(), f"trainer.grad_accum_steps={accum}"]
     return f"python -m sdp.train {launch} " + " ".join(_quoted(a) for a in args)
 
