@@ -4,6 +4,7 @@
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
 # make mixed-gpus    - workers of different capacities vs uniform coverage and DDP (CPU): per-rank bytes, quality
+# make plans         - docs/plan.md's three worked examples of sdp.plan for llama_1b (results/plan), and their check
 # make tables        - CPU-scale replicas of the paper's tables and plots, 3 seeds a row, and claims.md (results/cpu_replica)
 # make rho           - the spectral gap against convergence (results/cpu_replica/rho_convergence.*)
 # make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
@@ -17,7 +18,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus tables rho soak
+.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus plans tables rho soak
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -76,6 +77,13 @@ bench: setup
 mixed-gpus: setup
 	$(PY) scripts/mixed_gpus.py
 	$(PY) scripts/mixed_gpus.py --text
+
+PLAN = $(PY) -m sdp.plan experiment=llama_1b_fineweb top=8
+plans: setup
+	$(PLAN) devices=8x80 cluster=h100_nvlink out=results/plan/nvlink
+	$(PLAN) devices=8x24 cluster=h100_ib nodes=2 out=results/plan/ib
+	$(PLAN) devices=4x80+4x24 cluster=h100_nvlink out=results/plan/mixed
+	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --sample 3 --out results/plan/nvlink/check.json
 
 clean:
 	rm -rf outputs .pytest_cache

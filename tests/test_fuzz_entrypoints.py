@@ -1,5 +1,5 @@
-"""Bad input on every entrypoint: train (and its --cfg job), the launcher, the estimator, collect,
-export and sweeps, drawn from each value class: types, ranges, C-type limits, numbers that are not
+"""Bad input on every entrypoint: train (and its --cfg job), the launcher, the estimator, the planner,
+collect, export and sweeps, drawn from each value class: types, ranges, C-type limits, numbers that are not
 finite, paths, damaged run-dir files, and settings that contradict each other or would be ignored.
 Every case is wrong by construction, so each must be refused: exit code 2 and one `error:` line
 naming a key or a path, never a traceback, a hang, or an acceptance (whatever would run next is
@@ -21,6 +21,7 @@ import pytest
 import sdp.estimate
 import sdp.launching.sweep
 import sdp.launching.torchrun
+import sdp.plan
 import sdp.run.runner
 from sdp import collect, export, train
 
@@ -133,6 +134,7 @@ def sentinels(monkeypatch, tmp_path):
     monkeypatch.setattr(sdp.run.runner, "run", _accepted)
     monkeypatch.setattr(sdp.launching.torchrun, "_run_agent", _accepted)
     monkeypatch.setattr(sdp.estimate, "estimate", _accepted)
+    monkeypatch.setattr(sdp.plan, "search", _accepted)
     monkeypatch.setattr(sdp.launching.sweep, "launch", _accepted)
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -205,6 +207,7 @@ def entrypoint_cases(root: Path) -> list[tuple[str, str, object]]:
     for cls, items in estimator.items():
         for extra in items:
             cases.append(("estimate", cls, lambda a=[*TEXT, *extra]: sdp.estimate.main(a)))
+    cases += plan_cases()
     sweep_options = {
         "types": ["sweep.dry_run=maybe", "sweep.nproc=x", "sweep.wait=perhaps", "sweep.launcher=pbs"],
         "ranges": ["sweep.nproc=0", "sweep.timeout_min=0", "sweep.cpus_per_task=-1"],
@@ -228,6 +231,39 @@ def entrypoint_cases(root: Path) -> list[tuple[str, str, object]]:
         cases.append(("collect", cls, lambda a=argv: collect.main(a)))
     for argv in ([str(root / "none")], [str(out)], ["/proc"]):
         cases.append(("export", "paths", lambda a=argv: export.main(a)))
+    return cases
+
+
+PLAN = ["devices=2x80", "objective=memory"]  # a plan that needs no cluster
+
+
+def plan_cases() -> list[tuple[str, str, object]]:
+    """The planner: the run's config cases on top of a good plan, and its own options."""
+    cases = []
+    for cls, items in config_cases().items():
+        for extra in items:
+            if not any(e.startswith(("--config-dir", "run_dir", "output_root", "name", "dataset.")) for e in extra):
+                cases.append(("plan", cls, lambda a=[*TEXT, *PLAN, *extra]: sdp.plan.main(a)))
+    own = {
+        "ranges": [["devices=0x80"], ["devices=2x0"], ["min_coverage=0"], ["min_coverage=2"], ["top=0"], ["workers=0"]],
+        "types": [
+            ["devices=abc"], ["devices=[80,x]"], ["objective=fast"], ["coverages=some"], ["granularity=atom"],
+            ["precision=fp16"], ["checkpointing=some"], ["min_coverage=x"], ["top=x"],
+        ],
+        "C-type limits": [[f"devices={2**64}x80"], [f"devices=2x{2**64}"], [f"top={2**64}"], [f"workers={2**63}"]],
+        "not finite": [
+            ["devices=[nan,80]"], ["devices=2xinf"], ["min_coverage=nan"],
+            ["cluster=h100_ib", "cluster.efficiency=nan"],
+        ],
+        "paths": [["out=/etc/passwd"], ["out=/proc/x"]],
+        "contradictions": [
+            ["world_size=8"], ["masking=forward"], ["trainer.grad_accum_steps=2"], ["cluster.efficiency=0.5"],
+            ["cluster=h100_ib", "nodes=3"], ["nodes=2"], ["devices=3x80"],
+        ],
+    }  # fmt: skip
+    for cls, items in own.items():
+        for extra in items:
+            cases.append(("plan", cls, lambda a=[*TEXT, *PLAN, *extra]: sdp.plan.main(a)))
     return cases
 
 
@@ -316,8 +352,9 @@ def count_table(counts: collections.Counter) -> str:
 def test_a_sample_of_every_entrypoint_and_value_class_is_refused_in_one_line(tmp_path, sentinels):
     counts = run_fuzz(tmp_path, sample=SAMPLE_PER_CELL)
     cells = {(e, c) for e, c, _ in counts}
-    assert {e for e, _ in cells} == {"train", "train --cfg job", "launcher", "estimate", "sweep", "collect", "export"}
-    assert len(cells) >= 30 and sum(counts.values()) == 68, (sorted(cells), sum(counts.values()))
+    entrypoints = {"train", "train --cfg job", "launcher", "estimate", "plan", "sweep", "collect", "export"}
+    assert {e for e, _ in cells} == entrypoints
+    assert len(cells) >= 30 and sum(counts.values()) == 80, (sorted(cells), sum(counts.values()))
 
 
 @pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 2 min")

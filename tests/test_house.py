@@ -22,7 +22,7 @@ LAYERS = [
     ("sdp.run", "sdp.rundir"),
     ("sdp.planning", "sdp.analysis"),
     ("sdp.launching",),
-    ("sdp.train", "sdp.estimate", "sdp.collect", "sdp.export"),
+    ("sdp.train", "sdp.estimate", "sdp.plan", "sdp.collect", "sdp.export"),
 ]
 SHARED = ("sdp.errors", "sdp.dist", "sdp.paths", "sdp.optim", "sdp.redact", "sdp.data", "sdp.metrics")
 

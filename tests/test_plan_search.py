@@ -4,7 +4,9 @@ import pytest
 from conftest import estimator_config
 
 from sdp.errors import ConfigError
-from sdp.planning.search import Composer, families
+from sdp.planning.estimator import estimate
+from sdp.planning.fit import GIB
+from sdp.planning.search import Composer, families, verify
 from sdp.planning.space import Structure, structures
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
@@ -18,7 +20,8 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads(protocol):
     overrides = [*TINY, f"trainer.protocol={protocol}", "trainer.max_steps=40", "optim.warmup_steps=8"]
     space = structures([80.0, 80.0, 24.0, 24.0], min_coverage=0.25, granularities=("neuron", "block"))
     compose, checked, refused = Composer(overrides, world=4), 0, 0
-    for s in space[: len(space) // 6] + space[-5:]:  # one precision x checkpointing, and bf16 + full AC
+    sample = [s for s in space if (s.precision, s.checkpointing) in (("fp32", "none"), ("bf16", "full"))]
+    for s in sample:  # every kind of structure (SDP x FSDP in bf16), with and without checkpointing
         try:
             expected = estimator_config([*overrides, *s.overrides()], 4)
         except ConfigError as err:
@@ -30,7 +33,7 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads(protocol):
         got = compose(s)
         assert got == expected, s.label
         checked += 1
-    assert (checked, refused) == (26, 7)
+    assert (checked, refused) == (40, 14)
     sdp = compose(Structure(masking="forward", coverage=0.5))
     assert sdp.trainer.max_steps == (80 if protocol == "flop_matched" else 40) and sdp.optim.warmup_steps in (8, 16)
 
@@ -38,7 +41,8 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads(protocol):
 def test_families_share_all_but_coverage_and_checkpointing():
     space = structures([80.0] * 4, min_coverage=0.25, granularities=("neuron",), every=False)
     groups = families(space)
-    assert sum(map(len, groups)) == len(space) and len(groups) == 2 * 5  # precision x (DDP, FSDP, 2 modes, x FSDP(2))
+    # fp32: DDP, FSDP, 2 modes; bf16 adds SDP x FSDP(2)
+    assert sum(map(len, groups)) == len(space) and len(groups) == 4 + 5
     forward = next(g for g in groups if (g[0].masking, g[0].fsdp_degree, g[0].precision) == ("forward", 1, "fp32"))
     assert [s.label for s in forward[:4]] == [
         "N-SDP forward C=0.75",
@@ -47,3 +51,15 @@ def test_families_share_all_but_coverage_and_checkpointing():
         "N-SDP forward C=0.5",
     ]
     assert len(groups[0]) >= len(groups[-1])  # the longest tasks first
+
+
+def test_verify_puts_whole_traces_in_place_of_the_lines_peaks():
+    # 8 samples a rank at micro-batch 2: 4 accumulation steps, traced whole as 2 (the same peak).
+    cfg = estimator_config([*TINY, "model.num_layers=6", "trainer.grad_accum_steps=4"], 2)
+    row = {"run": "DDP", "micro_batch": 2, "peaks_bytes": {"0": 1}, "method": "layers 3 and 4, extended to 6"}
+    whole = estimate(cfg, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]
+    out = verify(row, cfg, devices=[80.0, 80.0])
+    assert out["peaks_bytes"] == {0: whole} and out["line_peaks_bytes"] == {"0": 1} and out["fits"]
+    assert out["method"] == "traced whole (verified)"
+    tight = verify(row, cfg, devices=[whole / GIB / 1.01] * 2)  # 1% too small
+    assert not tight["fits"] and tight["headroom"] == pytest.approx(-0.01, abs=1e-4)

@@ -4,25 +4,25 @@ A LLaMA's decoder layers are identical, so at a fixed micro-batch every figure t
 counts (parameters, gradients and optimizer state, each part of the live peak, FLOPs, bytes
 sent) is affine in the number of layers L: the embedding, head and loss once, each layer the
 same again, once the depth is past the point where the step's peak moment settles.
-`layered_estimate` traces the run with 3 and 4 layers and extends the line to L. Shallower
-traces peak elsewhere: with few layers the loss's temporaries or the optimizer step set the
-peak, with more the layers' activations do, so the peak is a maximum of lines and the line
-through the first depths can be far under it. Measured on this machine for llama_1b (24
-layers, K = 8, 2 accumulation steps of micro-batch 8): the busiest rank's peak through
-(1, 2), (2, 3) and (3, 4) against the whole trace is -14%, -0.002%, - for N-SDP backward
-C=0.25 + bf16; -, -6.9%, -0.006% for N-SDP forward C=0.25 + selective AC; -0.01%, -0.007% for
-N-SDP forward C=0.5 x FSDP(2); 0.0000% for FSDP + bf16. A peak moment that only takes over
-past 4 layers would still be missed: `scripts/plan_check.py` compares every row of a plan
-with `sdp.estimate` (docs/plan.md).
-tests/test_plan_layered.py checks that tiny LLaMAs' figures are equal.
+`layered_estimate` traces the run with 3 and 4 layers and extends the line to L. The peak is
+the largest of several moments of the step, each affine in depth (the loss with every layer's
+saved activations, a layer's backward, the optimizer step), so the line is exact while the
+moment that peaks at 3 and 4 layers still peaks at L. Measured for llama_1b (24 layers, K = 8,
+micro-batch 8, 2 accumulation steps; docs/plan.md has the table): through 1 and 2 layers the
+line is 14% under the whole trace for N-SDP backward C=0.25 + bf16, through 2 and 3 6.9% under
+for N-SDP forward C=0.25 + selective AC, through 3 and 4 within 0.006% on six configurations,
+but 6.6% under for N-SDP forward C=0.75 + full AC + bf16, whose peak moment changes past 6
+layers. The planner therefore traces its top row whole before printing it (`sdp.plan`), and
+`scripts/plan_check.py` checks any plan's rows against whole traces.
+tests/test_plan_layered.py checks that 6-layer tiny LLaMAs' figures are equal.
 
 What the line cannot carry is traced whole: models whose layers differ (ResNet, Swin), and
 block-level SDP, whose mask (which blocks a worker holds) depends on how many blocks there
 are. The process groups a rank joins are the short traces' (a neuron mask has the same
 holder sets at any depth). The collective timeline is not extended (`timeline` is None): with
 a cluster, the step-time model runs on each short trace and its seconds are extended the same
-way (`step`), within 1.6% of the whole trace's overlapped step for llama_1b under DDP, FSDP,
-both SDP modes and SDP x FSDP on h100_nvlink and h100_ib (2 nodes).
+way (`step`): within 0.01% of the whole trace's overlapped step for llama_1b on h100_nvlink
+and 0.5% on 2 nodes of h100_ib, for the configurations above.
 """
 
 from __future__ import annotations

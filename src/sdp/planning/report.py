@@ -112,14 +112,14 @@ def _peaks(r: dict) -> str:
 def format_rows(best: list[dict], *, unit: str, top: int) -> str:
     """The ranked rows, each followed by its command."""
     lines = [
-        f"  {'#':>3}  {'run':<44} {'micro x acc':>11}  {'peak GiB (rank)':<24} {'free':>5}  "
+        f"  {'#':>3}  {'run':<50} {'micro x acc':>11}  {'peak GiB (rank)':<24} {'free':>5}  "
         f"{'step s':>8}  {unit + '/s':>12}  caveat (claims)"
     ]
     for i, r in enumerate(best[:top], 1):
         step = f"{r['step_s']:8.4f}" if "step_s" in r else f"{'-':>8}"
         rate = f"{r[f'{unit}_per_s']:12,.0f}" if "step_s" in r else f"{'-':>12}"
         lines.append(
-            f"  {i:>3}  {r['run']:<44} {r['micro_batch']:>5} x {r['accum']:<3}  {_peaks(r):<24} "
+            f"  {i:>3}  {r['run']:<50} {r['micro_batch']:>5} x {r['accum']:<3}  {_peaks(r):<24} "
             f"{r['headroom']:5.0%}  {step}  {rate}  {r['caveat']}"
         )
         lines.append(f"       $ {r['command']}")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from sdp.errors import ConfigError
-from sdp.planning.fit import Fit, fit
+from sdp.planning.estimator import estimate
+from sdp.planning.fit import GIB, Fit, fit, short_run
 from sdp.planning.space import CHECKPOINTING, Structure
 from sdp.planning.step_time import Cluster
 from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
@@ -154,3 +155,27 @@ def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progre
         if progress is not None:
             progress(outcome, done, total)
     return done
+
+
+def verify(row: dict, cfg: RunConfig, *, devices: list[float]) -> dict:
+    """A row's peaks from whole traces (every layer, at most 2 accumulation steps: the peak of
+    any count from 2), replacing the line's; the row as it then stands (it may no longer fit)."""
+    world = len(devices)
+    short, _ = short_run(cfg, world=world, micro=row["micro_batch"])
+    peaks = {
+        int(r): estimate(short, world_size=world, rank=int(r))["memory"]["peak_with_comm_groups_bytes"]
+        for r in row["peaks_bytes"]
+    }
+    share = {r: p / (devices[r] * GIB) for r, p in peaks.items()}
+    busiest = max(share, key=share.get)
+    return {
+        **row,
+        "line_peaks_bytes": row["peaks_bytes"],
+        "peaks_bytes": peaks,
+        "peaks_gib": {r: round(p / GIB, 3) for r, p in peaks.items()},
+        "busiest_rank": busiest,
+        "peak_gib": round(peaks[busiest] / GIB, 3),
+        "headroom": round(1 - share[busiest], 4),
+        "fits": share[busiest] <= 1,
+        "method": "traced whole (verified)",
+    }

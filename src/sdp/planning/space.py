@@ -26,6 +26,7 @@ MAX_DEVICES = 65536
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 GRID = (0.75, 0.5, 0.25, 0.125)  # the default coverages, where r / K hits them
+STACK_PRECISION = "bf16"  # SDP x FSDP is weighed in it alone when it is searched (the paper's stack, M2)
 SHARE = 0.25  # mixed devices: capacities are multiples of this share (few holder sets, few communicators)
 
 
@@ -137,7 +138,8 @@ def structures(
     checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[Structure]:
     """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
-    equal memory per worker under SDP x FSDP); `every`: all coverages r / K, not the grid's."""
+    equal memory per worker under SDP x FSDP, in bf16 when bf16 is searched: the paper's stacked
+    configuration); `every`: all coverages r / K, not the grid's."""
     k = len(devices)
     sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage, every=every)] + [
         {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
@@ -152,6 +154,8 @@ def structures(
             for mode in ("backward", "forward"):
                 for gran in granularities:
                     out += [Structure(masking=mode, granularity=gran, **choice, **common) for choice in sdp]
+            if precision != STACK_PRECISION and STACK_PRECISION in precisions:
+                continue
             out += [
                 Structure("fsdp", "forward", gran, coverage=c, fsdp_degree=f, **common)
                 for f in _fsdp_degrees(devices)
