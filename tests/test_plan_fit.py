@@ -95,7 +95,6 @@ ACCUM = [
     "overrides",
     [
         [],
-        ["parallelism=fsdp"],
         ["masking=backward", "masking.coverage=0.5"],
         ["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"],
     ],

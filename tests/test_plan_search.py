@@ -12,12 +12,11 @@ from sdp.planning.space import Structure, structures
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
 
 
-@pytest.mark.parametrize("protocol", ["same_iteration", "flop_matched"])
-def test_a_composed_copy_is_the_config_the_entrypoint_loads(protocol):
+def test_a_composed_copy_is_the_config_the_entrypoint_loads():
     # Every structure kind on mixed GPUs (capacities, SDP x FSDP, block and neuron, both modes),
     # as a copy of one composed base per (masking, parallelism), against load_config of its
     # overrides: equal configs, or the same one-line refusal.
-    overrides = [*TINY, f"trainer.protocol={protocol}", "trainer.max_steps=40", "optim.warmup_steps=8"]
+    overrides = [*TINY, "trainer.protocol=flop_matched", "trainer.max_steps=40", "optim.warmup_steps=8"]
     space = structures([80.0, 80.0, 24.0, 24.0], min_coverage=0.25, granularities=("neuron", "block"))
     compose, checked, refused = Composer(overrides, world=4), 0, 0
     sample = [s for s in space if (s.precision, s.checkpointing) in (("fp32", "none"), ("bf16", "full"))]
@@ -34,8 +33,12 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads(protocol):
         assert got == expected, s.label
         checked += 1
     assert (checked, refused) == (40, 14)
-    sdp = compose(Structure(masking="forward", coverage=0.5))
-    assert sdp.trainer.max_steps == (80 if protocol == "flop_matched" else 40) and sdp.optim.warmup_steps in (8, 16)
+    # The protocol scales the steps from the budget, once (SDP at C = 0.5: twice DDP's steps).
+    sdp, ddp = compose(Structure(masking="forward", coverage=0.5)), compose(Structure())
+    assert (sdp.trainer.max_steps, sdp.optim.warmup_steps, ddp.trainer.max_steps) == (80, 16, 40)
+    forward = Structure(masking="forward", coverage=0.5)
+    plain = Composer([*TINY, "trainer.max_steps=40"], world=4)(forward)  # same_iteration: the budget itself
+    assert plain == estimator_config([*TINY, "trainer.max_steps=40", *forward.overrides()], 4)
 
 
 def test_families_share_all_but_coverage_and_checkpointing():
