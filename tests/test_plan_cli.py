@@ -5,12 +5,15 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import job_env, read_run
 
 from sdp.estimate import main as estimate_main
-from sdp.plan import main
+from sdp.plan import describe_devices, main
+from sdp.planning.report import CITED, CLAIMS, caveat
+from sdp.planning.space import Structure
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
 GLOO = "parallelism.comm_group_overhead_mb=0"  # gloo's process groups take no device memory
@@ -138,3 +141,20 @@ def test_the_top_row_runs_as_printed_within_5_percent_of_its_peak(plan, tmp_path
     for rank, predicted in top["peaks_bytes"].items():
         measured = summary["memory_per_rank"][int(rank)]["peak_bytes"]
         assert measured == pytest.approx(predicted, rel=0.05), (top["run"], rank)
+
+
+def test_caveats_cite_claims_the_report_has():
+    # A regenerated claims report that renames or drops a claim breaks the citations: caught here.
+    report = (Path(__file__).parents[1] / CLAIMS).read_text()
+    assert all(f"## {heading}" in report for heading in CITED.values())
+    cited = set()
+    for masking, coverage in (("forward", 0.25), ("backward", 0.5)):
+        for protocol in ("same_iteration", "flop_matched"):
+            text = caveat(Structure(masking=masking, coverage=coverage), protocol=protocol)
+            cited |= {n.strip() for part in re.findall(r"\(([^)]*)\)", text) for n in part.split(",")}
+    assert cited == set(CITED) and caveat(Structure(), protocol="same_iteration") == ""
+
+
+def test_devices_are_described_in_runs():
+    assert describe_devices([80.0] * 4 + [24.0] * 4) == "4 x 80 + 4 x 24 GiB"
+    assert describe_devices([80.0, 24.0, 80.0]) == "1 x 80 + 1 x 24 + 1 x 80 GiB"

@@ -15,6 +15,7 @@ accumulation) is refused on its command line, with the planner's own key that na
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -161,14 +162,7 @@ def run_facts(args: PlanArgs, cfg: RunConfig) -> dict:
 
 
 def describe_devices(devices: list[float]) -> str:
-    parts, i = [], 0
-    while i < len(devices):
-        j = i
-        while j < len(devices) and devices[j] == devices[i]:
-            j += 1
-        parts.append(f"{j - i} x {devices[i]:g}")
-        i = j
-    return " + ".join(parts) + " GiB"
+    return " + ".join(f"{len(list(run))} x {gib:g}" for gib, run in itertools.groupby(devices)) + " GiB"
 
 
 def header(args: PlanArgs, cfg: RunConfig, n: int) -> str:
@@ -285,7 +279,7 @@ def verified(rows: list[dict], structures: dict, composer: Composer, args: PlanA
         top = best[0]
         checked = verify(top, composer(structures[top["run"]]), devices=args.devices)
         rows[rows.index(top)] = checked
-        line = max(top["peaks_bytes"].values()) / GIB
+        line = top["peaks_bytes"][checked["busiest_rank"]] / GIB
         print(
             f"top row traced whole: {checked['run']}, peak {checked['peak_gib']:.3g} GiB (the line's "
             f"{line:.3g}){'' if checked['fits'] else ': it does not fit, next'}",
