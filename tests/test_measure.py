@@ -9,6 +9,7 @@ from sdp.estimate import main, parse_args
 from sdp.planning.estimator import EstimateError, estimate
 from sdp.run.trainer import forward_loss
 
+EMPTY_KINDS = {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporaries": 0}
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
 VARIANTS = {
     "ddp": ["masking=none"],
@@ -175,6 +176,28 @@ def test_live_peak_counts_each_kind_and_keeps_nothing_alive():
     del model, optimizer, peak
     gc.collect()
     assert alive() is None  # the tracker leaves no hook behind that would keep a model alive
+
+
+def test_live_peak_keeps_each_segments_own_peak():
+    from sdp.metrics.memory import LivePeak
+
+    model = torch.nn.Linear(4, 4, bias=False)  # 64 bytes of weights
+    with LivePeak(model, torch.optim.SGD(model.parameters())) as live:
+        first = torch.empty(100)  # unmarked: the segment "step"
+        live.mark("a")
+        second = torch.empty(1000)
+        live.mark("b")  # 4,000 bytes of "a" are still live: b's first level
+        del second
+        third = torch.empty(250)
+        live.mark("c")
+        del first, third
+    assert live.segments() == {
+        "step": {**EMPTY_KINDS, "weights": 64, "activations": 400, "total": 464},
+        "a": {**EMPTY_KINDS, "weights": 64, "activations": 4400, "total": 4464},
+        "b": {**EMPTY_KINDS, "weights": 64, "activations": 4400, "total": 4464},
+        "c": {**EMPTY_KINDS, "weights": 64, "activations": 1400, "total": 1464},
+    }
+    assert live.breakdown() == live.segments()["a"]
 
 
 @pytest.mark.parametrize("family", ["llama", "resnet", "swin"])

@@ -4,11 +4,12 @@ import pytest
 from conftest import estimator_config
 
 from sdp.planning.estimator import estimate
-from sdp.planning.layered import extends, layered_estimate
+from sdp.planning.layered import HEAD, extends, layer_spread, layered_estimate, with_layers
 
 TINY = [
     "model=llama_tiny",
     "model.num_layers=6",
+    "model.num_kv_heads=4",  # 4 head units: every layer holds as many (see layer_spread)
     "dataset=synthetic_text",
     "dataset.seq_len=64",
     "trainer.global_batch_size=16",
@@ -36,6 +37,26 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
     assert line["n_params"] == whole["n_params"] and line["flops_per_step"] == whole["flops_per_step"]
     # Backward masking's senders turn from layer to layer: a rank's bytes sent are close, not equal.
     assert line["comm_bytes_per_step"] == pytest.approx(whole["comm_bytes_per_step"], rel=0.02)
+
+
+def test_each_segment_of_the_step_is_extended_on_its_own():
+    # Backward masking under full AC: at 3 and 4 layers the step peaks while clipping (a float64
+    # copy of the LM head's gradient), at 12 after the step, where the weight refresh's receive
+    # buffers (every layer's) are issued. The line through the short traces' peaks misses it.
+    overrides = ["masking=backward", "masking.coverage=0.75", "parallelism.activation_checkpointing=full"]
+    cfg = estimator_config([*TINY, "model.num_layers=12", *overrides, "parallelism.mixed_precision=bf16"], 4)
+    whole, line = estimate(cfg, world_size=4, rank=0, head=HEAD), layered_estimate(cfg, world_size=4, rank=0)
+    assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
+    assert line["peak_segments"] == whole["peak_segments"] and "0 head backward" in whole["peak_segments"]
+    three, four = (estimate(with_layers(cfg, n), world_size=4, rank=0)["memory"]["peak_bytes"] for n in (3, 4))
+    assert three + 9 * (four - three) < 0.97 * whole["memory"]["peak_bytes"]
+
+
+def test_a_mask_that_holds_more_in_some_layers_is_traced_whole():
+    # 2 head units in 4 chunks: worker 0 holds 2 heads of one layer, 1 of the next.
+    cfg = estimator_config([*TINY, "model.num_kv_heads=2", "masking=forward", "masking.coverage=0.75"], 4)
+    assert layer_spread(cfg, world_size=4, rank=0) == pytest.approx(1 / 9)  # 9 heads held, the line 8
+    assert layered_estimate(cfg, world_size=4, rank=0)["method"] == "traced"
 
 
 @pytest.mark.parametrize(

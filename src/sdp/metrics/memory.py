@@ -93,6 +93,10 @@ class LivePeak(TorchDispatchMode):
     and the optimizer step; a parameter's gradient becomes `grads` once it is
     accumulated, the state the optimizer keeps becomes `optimizer` after its
     step. Views share their storage and count once.
+
+    `mark(name)` starts a named segment of the step (the planner's estimator names each
+    micro-step's forward, backward and so on); `segments()` gives each segment's own peak, the
+    largest total from its start to the next mark. Unmarked code is the segment "step".
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
@@ -102,6 +106,8 @@ class LivePeak(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current = dict.fromkeys(PEAK_KINDS, 0)
         self._peak = dict(self.current)
+        self.segment = "step"
+        self._segments: dict[str, dict[str, int]] = {}
         self._in_optimizer = False
         self._handles: list = []
         self._optimizer = optimizer
@@ -128,8 +134,21 @@ class LivePeak(TorchDispatchMode):
         self._kind[key], self._size[key] = kind, storage.nbytes()
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self.current[kind] += self._size[key]
-        if sum(self.current.values()) > sum(self._peak.values()):
+        self._note()
+
+    def _note(self) -> None:
+        """Keep the current bytes if they are the step's or the segment's largest yet."""
+        total = sum(self.current.values())
+        if total > sum(self._peak.values()):
             self._peak = dict(self.current)
+        seen = self._segments.get(self.segment)
+        if seen is None or total > seen["total"]:
+            self._segments[self.segment] = {**self.current, "total": total}
+
+    def mark(self, segment: str) -> None:
+        """From now on, peaks count for `segment` too (what is live now is its first level)."""
+        self.segment = segment
+        self._note()
 
     def _free(self, key: int) -> None:
         kind = self._kind.pop(key, None)
@@ -181,6 +200,10 @@ class LivePeak(TorchDispatchMode):
     def breakdown(self) -> dict[str, int]:
         """Bytes by kind at the moment of the peak, and their `total`."""
         return {**self._peak, "total": sum(self._peak.values())}
+
+    def segments(self) -> dict[str, dict[str, int]]:
+        """Each marked segment's peak: bytes by kind at its largest moment, and their `total`."""
+        return {name: dict(peak) for name, peak in self._segments.items()}
 
 
 def cuda_peaks(device: torch.device) -> dict[str, int | None]:

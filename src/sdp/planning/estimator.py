@@ -38,12 +38,13 @@ from sdp import dist
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
+from sdp.metrics.memory import LivePeak
 from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
-from sdp.run.measure import PhaseTimer, measure_peak
 from sdp.run.trainer import micro_batch_size, train_step
 from sdp.subnet import is_sdp, sdp_workers
 from sdp.subnet.plan import plan_mask, planned_comm_groups
@@ -194,8 +195,10 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model
 
 
-def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
-    """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`."""
+def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> dict:
+    """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`; the
+    peak of each segment of the step in `peak_segments` (sdp.planning.segments), the head's
+    apart when `head` names the module where it begins."""
     start = time.perf_counter()
     device = torch.device("cpu")
     # No NaN check under fake tensors (it reads a value); it costs a scalar, nothing to measure.
@@ -233,14 +236,16 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
             with fake:
                 optimizer = build_optimizer(strategy.trainable(), cfg.optim)
                 batches = itertools.repeat(dummy_batch(cfg, micro))
-                timer = PhaseTimer(device)
+                timer = StepSegments(device)
 
                 def run_step(accum: int | None = None) -> torch.Tensor:
                     steps = accum or cfg.trainer.grad_accum_steps
                     run = dataclasses.replace(cfg.trainer, grad_accum_steps=steps)
                     return train_step(strategy, optimizer, batches, cfg=run, micro=micro, device=device, timer=timer)
 
-                flops, static, peak, timeline = _profiled_steps(strategy, optimizer, run_step, comm)
+                flops, static, (peak, segments), timeline = _profiled_steps(
+                    strategy, optimizer, run_step, comm, segments=timer, head=head
+                )
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
@@ -251,6 +256,22 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
             ) from err
     per_step = comm.per_step()
     groups = planned_groups(cfg, world_size=world_size)[rank]
+    return {
+        **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro),
+        "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
+        "peak_segments": segments,
+        "flops_per_step": flops,
+        "comm_bytes_per_step": sum(per_step.values()),
+        "comm_bytes_per_step_by_kind": per_step,
+        "timeline": timeline,
+        "precision": cfg.parallelism.mixed_precision,
+        "trace_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int) -> dict:
+    """What run an estimate is of: model, masking (and the rank's capacity, the mask's holder
+    counts), world, rank and shapes."""
     plan = getattr(strategy, "plan", None)  # SDP's: the mask's holders per unit
     return {
         "model": cfg.model.name,
@@ -264,22 +285,19 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int) -> dict:
         "micro_batch": micro,
         "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
         "n_params": strategy.full_params,
-        "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
-        "flops_per_step": flops,
-        "comm_bytes_per_step": sum(per_step.values()),
-        "comm_bytes_per_step_by_kind": per_step,
-        "timeline": timeline,
-        "precision": cfg.parallelism.mixed_precision,
-        "trace_s": round(time.perf_counter() - start, 2),
     }
 
 
-def _profiled_steps(strategy, optimizer, run_step, comm: CommCounter) -> tuple[int, dict, dict, list[dict]]:
-    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak. Step 1 only
+def _profiled_steps(
+    strategy, optimizer, run_step, comm: CommCounter, *, segments: StepSegments, head: str | None
+) -> tuple[int, dict, tuple[dict, dict], list[dict]]:
+    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak (`measure_peak`'s,
+    with its segments' peaks, which `segments`, the steps' timer, marks). Step 1 only
     allocates what every later step finds (gradients, optimizer state): one micro-step does
     that as well as all of them, at a fraction of the trace. Step 2's collectives are kept with
     the FLOPs done when each is issued and needed (the step-time model), those it needs itself
-    (issued in it or just before). Returns (FLOPs, static bytes, peak by kind, timeline)."""
+    (issued in it or just before). Returns (FLOPs, static bytes, (peak by kind, peak by kind of
+    each segment), timeline)."""
     comm.timeline = []
     run_step(1)
     comm.discard_step()
@@ -289,10 +307,12 @@ def _profiled_steps(strategy, optimizer, run_step, comm: CommCounter) -> tuple[i
     comm.position, timeline, comm.timeline = None, comm.timeline, None
     comm.end_step()
     static = strategy.memory(optimizer)
-    _, peak = measure_peak(strategy, optimizer, run_step)
+    live = LivePeak(strategy.model, optimizer)
+    with torch.compiler.set_stance("force_eager"), live, segments.tracking(live, strategy.model, head):
+        run_step()
     comm.end_step()
     needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
-    return int(counter.get_total_flops()), static, peak, needed
+    return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed
 
 
 def _memory(static: dict, peak: dict, *, groups: int, group_mb: float) -> dict:

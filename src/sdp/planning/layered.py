@@ -1,46 +1,78 @@
 """The planner's estimate of a run: two small traces and a line, for a model of identical layers.
 
 A LLaMA's decoder layers are identical, so at a fixed micro-batch every figure the estimator
-counts (parameters, gradients and optimizer state, each part of the live peak, FLOPs, bytes
-sent) is affine in the number of layers L: the embedding, head and loss once, each layer the
-same again, once the depth is past the point where the step's peak moment settles.
-`layered_estimate` traces the run with 3 and 4 layers and extends the line to L. The peak is
-the largest of several moments of the step, each affine in depth (the loss with every layer's
-saved activations, a layer's backward, the optimizer step), so the line is exact while the
-moment that peaks at 3 and 4 layers still peaks at L. Measured for llama_1b (24 layers, K = 8,
-micro-batch 8, 2 accumulation steps; docs/plan.md has the table): through 1 and 2 layers the
-line is 14% under the whole trace for N-SDP backward C=0.25 + bf16, through 2 and 3 6.9% under
-for N-SDP forward C=0.25 + selective AC, through 3 and 4 within 0.006% on six configurations,
-but 6.6% under for N-SDP forward C=0.75 + full AC + bf16, whose peak moment changes past 6
-layers. The planner therefore traces its top row whole before printing it (`sdp.plan`), and
-`scripts/plan_check.py` checks any plan's rows against whole traces.
-tests/test_plan_layered.py checks that 6-layer tiny LLaMAs' figures are equal.
+counts (parameters, gradients and optimizer state, FLOPs, bytes sent) is affine in the number
+of layers L: the embedding, head and loss once, each layer the same again. `layered_estimate`
+traces the run with 3 and 4 layers and extends the line to L.
 
-What the line cannot carry is traced whole: models whose layers differ (ResNet, Swin), and
-block-level SDP, whose mask (which blocks a worker holds) depends on how many blocks there
-are. The process groups a rank joins are the short traces' (a neuron mask has the same
-holder sets at any depth). The collective timeline is not extended (`timeline` is None): with
-a cluster, the step-time model runs on each short trace and its seconds are extended the same
-way (`step`): within 0.01% of the whole trace's overlapped step for llama_1b on h100_nvlink
-and 0.5% on 2 nodes of h100_ib, for the configurations above.
+The peak is not one line but the largest of several: each moment of the step (the end of the
+decoder stack's forward, the loss on top of it, the backward with the gradients made so far,
+clipping, the optimizer, the weight refresh's receive buffers after it) is affine in L with a
+slope of its own, and the moment that peaks at 3 and 4 layers need not peak at L. So the
+estimator keeps the peak of each segment of the step (sdp.planning.segments), the line extends
+each segment's on its own, and the largest is the peak. Measured for llama_1b (24 layers,
+K = 8, micro-batch 8, 2 accumulation steps; docs/plan.md has the table): within 0.012% of the
+whole trace on twelve configurations; one line through the step's peaks was 16.7% under for
+N-SDP backward C=0.75 + full AC + bf16 (clipping peaks at 3 and 4 layers, the refresh at 24)
+and 8.4% under for forward C=0.75 + full AC + bf16. tests/test_plan_layered.py checks tiny
+LLaMAs' figures to the byte, one of them with such a change of moment.
+
+A layer's figures are the same only if the rank holds as many units in every layer: a group
+of few units cut into K chunks (12 heads in 8) holds one more in some layers than in others.
+`layer_spread` measures that on the mask; past SPREAD the run is traced whole. Also traced
+whole: models whose layers differ (ResNet, Swin), and block-level SDP, whose mask (which
+blocks a worker holds) depends on how many blocks there are. The process groups a rank joins
+are the short traces' (a neuron mask has the same holder sets at any depth). The collective
+timeline is not extended (`timeline` is None): with a cluster, the step-time model runs on
+each short trace and its seconds are extended the same way (`step`): within 0.01% of the
+whole trace's overlapped step for llama_1b on h100_nvlink and 0.5% on 2 nodes of h100_ib.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from sdp.models import build_model
 from sdp.planning.estimator import estimate
 from sdp.planning.step_time import Cluster, step_times
 from sdp.run.config import RunConfig
-from sdp.subnet import is_sdp
+from sdp.subnet import is_sdp, sdp_workers
+from sdp.subnet.plan import SubnetPlan
 
 SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the module doc)
+SPREAD = 0.005  # the most `layer_spread` the line is taken at; past it the model is traced whole
+HEAD = "model.norm"  # transformers' LLaMA: the final norm, where the decoder stack ends
 
 
 def extends(cfg: RunConfig) -> bool:
     """Whether `cfg`'s estimate is affine in its number of layers (see the module doc)."""
     block_sdp = is_sdp(cfg.masking.name) and cfg.masking.granularity == "block"
     return cfg.model.family == "llama" and not block_sdp and cfg.model.num_layers > max(SHORT)
+
+
+def layer_spread(cfg: RunConfig, *, world_size: int, rank: int) -> float:
+    """How far the line is from `rank`'s held units: for each kind of unit group (heads, FFN
+    neurons), |held in all layers - held on the line| / held in all layers, the largest. The
+    line counts the layers past the short traces as copies of their last layer; a mask whose
+    chunks differ by a unit (few units in a group: 12 heads in 8 chunks) holds more in some
+    layers than in others. 0 without SDP."""
+    if not is_sdp(cfg.masking.name):
+        return 0.0
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp)
+    layers = {path: i for i, path in enumerate(plan.block_paths)}
+    held: dict[str, list[int]] = {}
+    for g, group in enumerate(plan.spec.groups):
+        counts = held.setdefault(group.kind, [0] * len(layers))
+        counts[layers[plan.enclosing_block(group.name)]] += plan.mask.held_units(plan.worker_of(rank), g).size
+    first, last = SHORT[0], cfg.model.num_layers - SHORT[0]
+    off = [abs(sum(c) - sum(c[:first]) - last * c[first]) / sum(c) for c in held.values() if sum(c)]
+    return max(off, default=0.0)
 
 
 def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
@@ -51,10 +83,10 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
     model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
     `step_times` on it (None without)."""
-    if not extends(cfg):
+    if not extends(cfg) or layer_spread(cfg, world_size=world_size, rank=rank) > SPREAD:
         whole = estimate(cfg, world_size=world_size, rank=rank)
         return {**whole, "method": "traced", "step": None if cluster is None else step_times(whole, cluster)}
-    one, two = (estimate(with_layers(cfg, n), world_size=world_size, rank=rank) for n in SHORT)
+    one, two = (estimate(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
     layers = cfg.model.num_layers
 
     def line(a: float, b: float) -> int:
@@ -68,8 +100,13 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
     memory = dict(mem2)
     for key in ("params_bytes", "grads_bytes", "optim_bytes"):
         memory[key] = line(mem1[key], mem2[key])
-    breakdown = {k: line(v, mem2["peak_breakdown"][k]) for k, v in mem1["peak_breakdown"].items() if k != "total"}
-    breakdown["total"] = sum(breakdown.values())
+    segments = {
+        name: {kind: line(b, two["peak_segments"][name][kind]) for kind, b in peak.items() if kind != "total"}
+        for name, peak in one["peak_segments"].items()
+    }
+    for peak in segments.values():
+        peak["total"] = sum(peak.values())
+    breakdown = max(segments.values(), key=lambda peak: peak["total"])
     memory |= {"peak_bytes": breakdown["total"], "peak_breakdown": breakdown}
     memory["peak_with_comm_groups_bytes"] = breakdown["total"] + memory["comm_group_bytes"]
     return {
@@ -81,6 +118,7 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
         "comm_bytes_per_step_by_kind": {
             k: line(v, two["comm_bytes_per_step_by_kind"][k]) for k, v in one["comm_bytes_per_step_by_kind"].items()
         },
+        "peak_segments": segments,
         "timeline": None,
         "step": step,
         "trace_s": round(one["trace_s"] + two["trace_s"], 2),
