@@ -158,3 +158,24 @@ def test_caveats_cite_claims_the_report_has():
 def test_devices_are_described_in_runs():
     assert describe_devices([80.0] * 4 + [24.0] * 4) == "4 x 80 + 4 x 24 GiB"
     assert describe_devices([80.0, 24.0, 80.0]) == "1 x 80 + 1 x 24 + 1 x 80 GiB"
+
+
+def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from sdp import plan
+
+    def row(run, headroom, step):
+        return {"run": run, "fits": True, "headroom": headroom, "step_s": step, "method": "layers 3 and 4"}
+
+    def verify(top, cfg, *, devices):  # a whole trace that finds the row over its GPU
+        return {**top, "fits": False, "method": "traced whole (verified)", "busiest_rank": 0, "peak_gib": 81.0}
+
+    monkeypatch.setattr(plan, "verify", verify)
+    args = SimpleNamespace(objective="speed", devices=[80.0])
+    roomy = [row("a", 0.5, 1.0), row("b", 0.01, 2.0)]
+    assert [r["run"] for r in plan.verified(roomy, {}, lambda s: None, args)] == ["a", "b"]
+    close = [row("a", 0.029, 1.0), row("b", 0.5, 2.0)]
+    close[0]["peaks_bytes"] = {0: 78 * 2**30}
+    assert [r["run"] for r in plan.verified(close, {"a": None}, lambda s: None, args)] == ["b"]
+    assert "top row traced whole: a, peak 81 GiB (the line's 78): it does not fit, next" in capsys.readouterr().out

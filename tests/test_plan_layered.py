@@ -3,8 +3,8 @@
 import pytest
 from conftest import estimator_config
 
-from sdp.planning.estimator import estimate
-from sdp.planning.layered import HEAD, extends, layer_spread, layered_estimate, with_layers
+from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.layered import HEAD, SHORT, extended, extends, layer_spread, layered_estimate, with_layers
 
 TINY = [
     "model=llama_tiny",
@@ -45,11 +45,32 @@ def test_each_segment_of_the_step_is_extended_on_its_own():
     # buffers (every layer's) are issued. The line through the short traces' peaks misses it.
     overrides = ["masking=backward", "masking.coverage=0.75", "parallelism.activation_checkpointing=full"]
     cfg = estimator_config([*TINY, "model.num_layers=12", *overrides, "parallelism.mixed_precision=bf16"], 4)
-    whole, line = estimate(cfg, world_size=4, rank=0, head=HEAD), layered_estimate(cfg, world_size=4, rank=0)
+    whole = estimate(cfg, world_size=4, rank=0, head=HEAD)
+    one, two = (estimate(with_layers(cfg, n), world_size=4, rank=0, head=HEAD) for n in SHORT)
+    line = extended(one, two, 12 - SHORT[0])  # layered_estimate's line (the test above)
     assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
     assert line["peak_segments"] == whole["peak_segments"] and "0 head backward" in whole["peak_segments"]
-    three, four = (estimate(with_layers(cfg, n), world_size=4, rank=0)["memory"]["peak_bytes"] for n in (3, 4))
+    three, four = one["memory"]["peak_bytes"], two["memory"]["peak_bytes"]
     assert three + 9 * (four - three) < 0.97 * whole["memory"]["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["masking.coverage=0.5"],
+        ["masking.coverage=0.75", "parallelism.activation_checkpointing=full", "parallelism.mixed_precision=bf16"],
+    ],
+)
+def test_forward_block_sdp_is_a_line_in_the_blocks_a_rank_holds(overrides):
+    block = ["masking=forward", "masking.granularity=block"]
+    cfg = estimator_config([*TINY, "model.num_layers=16", *block, *overrides], 4)
+    rank = busiest_rank(cfg, world_size=4)
+    whole, line = estimate(cfg, world_size=4, rank=rank, head=HEAD), layered_estimate(cfg, world_size=4, rank=rank)
+    assert line["method"].endswith(" layers, extended in held blocks")
+    assert line["memory"] == whole["memory"]  # static bytes, each kind at the peak, the communicators
+    assert line["peak_segments"] == whole["peak_segments"]
+    for key in ("rank", "n_params", "flops_per_step", "comm_bytes_per_step", "comm_bytes_per_step_by_kind"):
+        assert line[key] == whole[key], key
 
 
 def test_a_mask_that_holds_more_in_some_layers_is_traced_whole():

@@ -266,15 +266,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 VERIFIED = 3  # tries at a top row that a whole trace confirms
+CLOSE = 0.03  # the headroom under which a top row from a line is traced whole (the line's promise)
 
 
 def verified(rows: list[dict], structures: dict, composer: Composer, args: PlanArgs) -> list[dict]:
-    """The ranking, its top row's peaks from whole traces (every layer) when they came from the
-    line: a peak moment that takes over past the short traces' depth would show there (docs/plan.md).
-    A top row that then does not fit leaves the top, up to VERIFIED times."""
+    """The ranking, its top row's peaks from whole traces (every layer) when they came from a
+    line and leave less than CLOSE of its GPU free: the line is within CLOSE of the whole trace
+    (docs/plan.md), so only a row that close to full could be wrong about fitting. A top row
+    that then does not fit leaves the top, up to VERIFIED times."""
     for _ in range(VERIFIED):
         best = ranked(rows, objective=args.objective)
-        if not best or best[0]["method"].startswith("traced"):
+        if not best or best[0]["method"].startswith("traced") or best[0]["headroom"] >= CLOSE:
             return best
         top = best[0]
         checked = verify(top, composer(structures[top["run"]]), devices=args.devices)

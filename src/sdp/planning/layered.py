@@ -34,8 +34,9 @@ import dataclasses
 
 import torch
 
+from sdp.errors import ConfigError
 from sdp.models import build_model
-from sdp.planning.estimator import estimate
+from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.step_time import Cluster, step_times
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
@@ -83,18 +84,35 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
     model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
     `step_times` on it (None without)."""
+    line = block_line(cfg, world_size=world_size, rank=rank) if block_forward(cfg) else None
+    if line is not None:
+        shorts, times = line
+        one, two = (estimate(short, world_size=world_size, rank=rank, head=HEAD) for short in shorts)
+        est = extended(one, two, times, cluster=cluster)
+        return {
+            **est,
+            "n_params": _full_params(cfg),
+            "memory": _with_groups(est["memory"], cfg, world_size=world_size, rank=rank),
+            "method": f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
+        }
     if not extends(cfg) or layer_spread(cfg, world_size=world_size, rank=rank) > SPREAD:
         whole = estimate(cfg, world_size=world_size, rank=rank)
         return {**whole, "method": "traced", "step": None if cluster is None else step_times(whole, cluster)}
     one, two = (estimate(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
     layers = cfg.model.num_layers
+    return {
+        **extended(one, two, layers - SHORT[0], cluster=cluster),
+        "method": f"layers {SHORT[0]} and {SHORT[1]}, extended to {layers}",
+    }
+
+
+def extended(one: dict, two: dict, times: float, *, cluster: Cluster | None = None) -> dict:
+    """The estimate on the line through the estimates `one` and `two`, `times` their difference
+    past `one`: static bytes, each segment's peak (the largest is the peak), FLOPs, bytes sent;
+    with a cluster, `step`. The rest (process groups, shapes) is `two`'s."""
 
     def line(a: float, b: float) -> int:
-        return round(a + (layers - SHORT[0]) * (b - a))
-
-    step = None
-    if cluster is not None:
-        step = extend_steps(step_times(one, cluster), step_times(two, cluster), layers - SHORT[0])
+        return round(a + times * (b - a))
 
     mem1, mem2 = one["memory"], two["memory"]
     memory = dict(mem2)
@@ -109,20 +127,80 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
     breakdown = max(segments.values(), key=lambda peak: peak["total"])
     memory |= {"peak_bytes": breakdown["total"], "peak_breakdown": breakdown}
     memory["peak_with_comm_groups_bytes"] = breakdown["total"] + memory["comm_group_bytes"]
+    by_kind = two["comm_bytes_per_step_by_kind"]
     return {
         **two,
         "memory": memory,
         "n_params": line(one["n_params"], two["n_params"]),
         "flops_per_step": line(one["flops_per_step"], two["flops_per_step"]),
         "comm_bytes_per_step": line(one["comm_bytes_per_step"], two["comm_bytes_per_step"]),
-        "comm_bytes_per_step_by_kind": {
-            k: line(v, two["comm_bytes_per_step_by_kind"][k]) for k, v in one["comm_bytes_per_step_by_kind"].items()
-        },
+        "comm_bytes_per_step_by_kind": {k: line(v, by_kind[k]) for k, v in one["comm_bytes_per_step_by_kind"].items()},
         "peak_segments": segments,
         "timeline": None,
-        "step": step,
+        "step": None if cluster is None else extend_steps(step_times(one, cluster), step_times(two, cluster), times),
         "trace_s": round(one["trace_s"] + two["trace_s"], 2),
-        "method": f"layers {SHORT[0]} and {SHORT[1]}, extended to {layers}",
+    }
+
+
+def block_forward(cfg: RunConfig) -> bool:
+    """Forward masking of a LLaMA's blocks on whole workers: a rank runs the blocks it holds and
+    skips the others, so its figures are affine in how many it holds (`block_line`)."""
+    return (
+        cfg.model.family == "llama"
+        and cfg.masking.name == "forward"
+        and cfg.masking.granularity == "block"
+        and cfg.parallelism.name == "ddp"
+    )
+
+
+def held_blocks(cfg: RunConfig, *, world_size: int) -> list[int] | None:
+    """How many blocks each rank holds under `cfg`'s mask; None when its masking refuses the
+    model (a capacity its blocks cannot give)."""
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    try:
+        plan = SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers)
+    except ConfigError:
+        return None
+    per_worker = [sum(plan.mask.held_units(w, g).size for g in range(len(plan.spec.groups))) for w in range(workers)]
+    return [per_worker[plan.worker_of(r)] for r in range(world_size)]
+
+
+def block_line(cfg: RunConfig, *, world_size: int, rank: int) -> tuple[tuple[RunConfig, RunConfig], float] | None:
+    """Two shallower LLaMAs where `rank` holds l < h blocks, at least SHORT[0] (fewer: the step
+    peaks elsewhere, as in a shallow model), and every rank holds one: (the two configs, how many
+    times h - l the blocks `rank` holds in `cfg` are past l); None when there are none. The rank
+    is the same in all three: which pieces it is the first holder of (clipping's float64 copy
+    of the LM head's gradient) does not change with depth."""
+    full = held_blocks(cfg, world_size=world_size)
+    found: dict[int, RunConfig] = {}  # blocks `rank` holds -> the shallowest model where it does
+    for layers in range(1, cfg.model.num_layers if full else 0):
+        short = with_layers(cfg, layers)
+        counts = held_blocks(short, world_size=world_size)
+        if counts and min(counts) >= 1 and counts[rank] >= SHORT[0]:
+            found.setdefault(counts[rank], short)
+        if len(found) == 2:
+            (low, one), (high, two) = sorted(found.items())
+            return (one, two), (full[rank] - low) / (high - low)
+    return None
+
+
+def _full_params(cfg: RunConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg.model).parameters())
+
+
+def _with_groups(memory: dict, cfg: RunConfig, *, world_size: int, rank: int) -> dict:
+    """`memory` with the communicators of the process groups `rank` joins in `cfg` (a block mask's
+    holder sets depend on the depth)."""
+    groups = planned_groups(cfg, world_size=world_size)[rank]
+    allowance = int(groups * cfg.parallelism.comm_group_overhead_mb * 2**20)
+    return {
+        **memory,
+        "comm_groups": groups,
+        "comm_group_bytes": allowance,
+        "peak_with_comm_groups_bytes": memory["peak_bytes"] + allowance,
     }
 
 
