@@ -63,7 +63,7 @@ def test_each_segment_of_the_step_is_extended_on_its_own():
 )
 def test_forward_block_sdp_is_a_line_in_the_blocks_a_rank_holds(overrides):
     block = ["masking=forward", "masking.granularity=block"]
-    cfg = estimator_config([*TINY, "model.num_layers=16", *block, *overrides], 4)
+    cfg = estimator_config([*TINY, "model.num_layers=12", *block, *overrides], 4)
     rank = busiest_rank(cfg, world_size=4)
     whole, line = estimate(cfg, world_size=4, rank=rank, head=HEAD), layered_estimate(cfg, world_size=4, rank=rank)
     assert line["method"].endswith(" layers, extended in held blocks")

@@ -25,8 +25,6 @@ import torch
 from sdp.metrics.memory import LivePeak
 from sdp.run.measure import PhaseTimer
 
-_NAMES = {"data": "forward", "forward": "forward", "backward": "head backward"}
-
 
 class StepSegments(PhaseTimer):
     """A PhaseTimer that marks the segments of the step on a LivePeak while `tracking` it."""
@@ -40,15 +38,21 @@ class StepSegments(PhaseTimer):
     @contextlib.contextmanager
     def __call__(self, phase: str):
         if self._live is not None:
-            self._micro += phase == "data"
-            if phase in _NAMES:
-                name = _NAMES[phase] if self._split or phase != "backward" else "backward"
-                self._live.mark(f"{self._micro} {name}")
-            else:
-                self._stepped |= phase == "optimizer"
-                self._live.mark("after step" if self._stepped and phase == "sync" else phase)
+            self._live.mark(self._segment(phase))
         with super().__call__(phase):
             yield
+
+    def _segment(self, phase: str) -> str:
+        """The segment a train-step phase begins (the head's module hook splits the forward and
+        the backward further)."""
+        if phase == "data":  # each micro-step begins with its batch
+            self._micro += 1
+        self._stepped |= phase == "optimizer"
+        if phase in ("data", "forward"):
+            return f"{self._micro} forward"
+        if phase == "backward":
+            return f"{self._micro} {'head backward' if self._split else 'backward'}"
+        return "after step" if self._stepped and phase == "sync" else phase
 
     @contextlib.contextmanager
     def tracking(self, live: LivePeak, model: torch.nn.Module, head: str | None = None):
