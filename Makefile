@@ -85,7 +85,7 @@ plans: setup
 	$(PLAN) devices=4x80+4x24 cluster=h100_nvlink out=results/plan/mixed
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --sample 3
 
-plan-check: setup  # every row of the 8 x 80 GB plan against a whole trace (~30 min here)
+plan-check: setup  # every row of the 8 x 80 GB plan against a whole trace (~10 min here)
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --out results/plan/nvlink/check.json
 
 clean:
