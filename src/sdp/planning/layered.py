@@ -19,10 +19,13 @@ LLaMAs' figures to the byte, one of them with such a change of moment.
 
 A layer's figures are the same only if the rank holds as many units in every layer: a group
 of few units cut into K chunks (12 heads in 8) holds one more in some layers than in others.
-`layer_spread` measures that on the mask; past SPREAD the run is traced whole. Also traced
-whole: models whose layers differ (ResNet, Swin), and block-level SDP, whose mask (which
-blocks a worker holds) depends on how many blocks there are. The process groups a rank joins
-are the short traces' (a neuron mask has the same holder sets at any depth). The collective
+`layer_spread` measures that on the mask; past SPREAD the run is traced whole, as are models
+whose layers differ (ResNet, Swin). Block-level SDP holds whole layers, which ones depending
+on the depth: under forward masking a rank runs only those, so its figures are a line in how
+many it holds (`block_line`: the same rank in two shallower models; exact on 6 llama_1b
+configurations, docs/plan.md); under backward masking it is traced whole. The process groups
+a rank joins are the short traces' (a neuron mask has the same holder sets at any depth; the
+block line counts the full model's). The collective
 timeline is not extended (`timeline` is None): with a cluster, the step-time model runs on
 each short trace and its seconds are extended the same way (`step`): within 0.01% of the
 whole trace's overlapped step for llama_1b on h100_nvlink and 0.5% on 2 nodes of h100_ib.
