@@ -106,7 +106,7 @@ class LivePeak(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current = dict.fromkeys(PEAK_KINDS, 0)
         self._peak = dict(self.current)
-        self.segment = "step"
+        self._segment = "step"
         self._segments: dict[str, dict[str, int]] = {}
         self._in_optimizer = False
         self._handles: list = []
@@ -141,13 +141,13 @@ class LivePeak(TorchDispatchMode):
         total = sum(self.current.values())
         if total > sum(self._peak.values()):
             self._peak = dict(self.current)
-        seen = self._segments.get(self.segment)
+        seen = self._segments.get(self._segment)
         if seen is None or total > seen["total"]:
-            self._segments[self.segment] = {**self.current, "total": total}
+            self._segments[self._segment] = {**self.current, "total": total}
 
     def mark(self, segment: str) -> None:
         """From now on, peaks count for `segment` too (what is live now is its first level)."""
-        self.segment = segment
+        self._segment = segment
         self._note()
 
     def _free(self, key: int) -> None:

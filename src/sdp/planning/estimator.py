@@ -291,8 +291,8 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
 def _profiled_steps(
     strategy, optimizer, run_step, comm: CommCounter, *, segments: StepSegments, head: str | None
 ) -> tuple[int, dict, tuple[dict, dict], list[dict]]:
-    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak (`measure_peak`'s,
-    with its segments' peaks, which `segments`, the steps' timer, marks). Step 1 only
+    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak (as `measure_peak`
+    measures it, with the peak of each segment that `segments`, the steps' timer, marks). Step 1 only
     allocates what every later step finds (gradients, optimizer state): one micro-step does
     that as well as all of them, at a fraction of the trace. Step 2's collectives are kept with
     the FLOPs done when each is issued and needed (the step-time model), those it needs itself

@@ -64,11 +64,7 @@ def layer_spread(cfg: RunConfig, *, world_size: int, rank: int) -> float:
     layers than in others. 0 without SDP."""
     if not is_sdp(cfg.masking.name):
         return 0.0
-    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    plan = SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp)
+    plan = _subnet_plan(cfg, world_size=world_size)
     layers = {path: i for i, path in enumerate(plan.block_paths)}
     held: dict[str, list[int]] = {}
     for g, group in enumerate(plan.spec.groups):
@@ -94,7 +90,7 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
         est = extended(one, two, times, cluster=cluster)
         return {
             **est,
-            "n_params": _full_params(cfg),
+            "n_params": _subnet_plan(cfg, world_size=world_size).full_params,
             "memory": _with_groups(est["memory"], cfg, world_size=world_size, rank=rank),
             "method": f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
         }
@@ -159,15 +155,12 @@ def block_forward(cfg: RunConfig) -> bool:
 def held_blocks(cfg: RunConfig, *, world_size: int) -> list[int] | None:
     """How many blocks each rank holds under `cfg`'s mask; None when its masking refuses the
     model (a capacity its blocks cannot give)."""
-    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
     try:
-        plan = SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers)
+        plan = _subnet_plan(cfg, world_size=world_size)
     except ConfigError:
         return None
-    per_worker = [sum(plan.mask.held_units(w, g).size for g in range(len(plan.spec.groups))) for w in range(workers)]
-    return [per_worker[plan.worker_of(r)] for r in range(world_size)]
+    groups = range(len(plan.spec.groups))
+    return [sum(plan.mask.held_units(plan.worker_of(r), g).size for g in groups) for r in range(world_size)]
 
 
 def block_line(cfg: RunConfig, *, world_size: int, rank: int) -> tuple[tuple[RunConfig, RunConfig], float] | None:
@@ -189,9 +182,13 @@ def block_line(cfg: RunConfig, *, world_size: int, rank: int) -> tuple[tuple[Run
     return None
 
 
-def _full_params(cfg: RunConfig) -> int:
+def _subnet_plan(cfg: RunConfig, *, world_size: int) -> SubnetPlan:
+    """The run's SDP plan (its mask, units and holder sets), on the meta device."""
+    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
     with torch.device("meta"):
-        return sum(p.numel() for p in build_model(cfg.model).parameters())
+        model = build_model(cfg.model)
+    return SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp)
 
 
 def _with_groups(memory: dict, cfg: RunConfig, *, world_size: int, rank: int) -> dict:
