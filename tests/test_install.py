@@ -12,6 +12,13 @@ import pytest
 from conftest import job_env
 
 REPO = Path(__file__).parents[1]
+SCRIPTS = {
+    "sdp-train": "sdp-train = sdp.train:cli",
+    "sdp-estimate": "sdp-estimate = sdp.estimate:main",
+    "sdp-plan": "sdp-plan = sdp.plan:cli",
+    "sdp-collect": "sdp-collect = sdp.collect:main",
+    "sdp-export": "sdp-export = sdp.export:cli",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,7 @@ def test_the_wheel_carries_every_config_and_module(installed):
     assert len(configs) > 40 and len(modules) > 60
     assert sorted(configs - names) == [] and sorted(modules - names) == []
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for script in ("sdp-train = sdp.train:cli", "sdp-estimate = sdp.estimate:main", "sdp-collect = sdp.collect:main"):
+    for script in SCRIPTS.values():
         assert script in entry_points
 
 
@@ -70,9 +77,13 @@ def test_the_console_scripts_run_outside_the_source_tree(installed):
     module, *path = probe.stdout.splitlines()
     sources = (str(REPO / "src"), str(REPO / "conf"))
     assert module.startswith(str(where["target"])) and not any(p.startswith(sources) for p in path), probe.stdout
-    helped = _run(installed, "sdp-train", "--help")
-    assert helped.returncode == 0 and "demo_fmnist" in helped.stdout, helped.stderr[-2000:]
-    assert f"the defaults: {where['target']}/sdp/conf/config.yaml" in helped.stdout
+    for script in SCRIPTS:  # each answers --help with its usage, its keys and examples
+        helped = _run(installed, script, "--help")
+        assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr[-2000:]
+        assert "xamples:" in helped.stdout and helped.stderr == "", (script, helped.stderr[-2000:])
+        if script == "sdp-train":
+            assert "demo_fmnist" in helped.stdout
+            assert f"the defaults: {where['target']}/sdp/conf/config.yaml" in helped.stdout
     ran = _run(installed, "sdp-train", "debug=fast", "dataset=synthetic_image", "run_dir=runs/fast")
     assert ran.returncode == 0 and "run dir: runs/fast" in ran.stdout, ran.stderr[-2000:]
     estimated = _run(installed, "sdp-estimate", "model=llama_tiny", "dataset=synthetic_text", "world_size=2")

@@ -17,19 +17,47 @@ from sdp.paths import DamagedFile, check_writable
 from sdp.rundir import write_error
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A wrong option is one `error:` line naming it (argparse prints its usage and a second line)."""
+
+    def error(self, message: str):
+        raise BadOptions(message)
+
+
+class BadOptions(ValueError):
+    pass
+
+
+EXAMPLES = """examples:
+  python -m sdp.collect outputs/ --out results/tables
+  python -m sdp.collect runs/table1 runs/table2 --out results/tables --claims --memory-table est.csv"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(
+        prog="python -m sdp.collect",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("roots", nargs="+", type=Path, help="directories holding run dirs (searched recursively)")
-    parser.add_argument("--out", type=Path, default=Path("results/tables"))
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/tables"), help="default: %(default)s")
+    parser.add_argument("--no-plots", action="store_true", help="tables only, no PNG plots")
     parser.add_argument("--claims", action="store_true", help=f"also write OUT/{CLAIMS_FILE}: the paper's claims")
     parser.add_argument("--memory-table", type=Path, help="the estimator's memory table (.csv) for the memory claims")
     parser.add_argument("--cuda", type=Path, nargs="*", default=[], help="CUDA memory measurements (.json)")
     parser.add_argument("--wandb", action="store_true", help="also log the tables, plots and claims to one W&B run")
     parser.add_argument("--wandb-project", default="sdp")
     parser.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
-    args = parser.parse_args(argv)
-    command = "python -m sdp.collect " + " ".join(argv if argv is not None else sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parser.parse_args(argv)
+    except BadOptions as err:
+        print(f"error: {ConfigError('options', ' '.join(argv), f'{err} (--help for the usage)')}", file=sys.stderr)
+        return 2
+    except SystemExit as done:  # --help: printed
+        return int(done.code or 0)
+    command = "python -m sdp.collect " + " ".join(argv)
     try:
         for path in [args.memory_table, *args.cuda]:
             if path is not None and not path.is_file():

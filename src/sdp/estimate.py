@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdp.errors import ConfigError
+from sdp.launching.cli import Usage, wants_help
 from sdp.paths import check_output_file
 from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
 from sdp.planning.step_time import Cluster, format_step_times, load_cluster, place, step_times
@@ -29,6 +30,29 @@ from sdp.subnet import is_sdp
 from sdp.subnet.capacity import listed
 
 RANK_CHOICES = ("busiest", "all")
+MAX_RANKS = 65536  # more than any cluster the step-time model describes
+
+USAGE = Usage(
+    usage="python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all]\n"
+    "                          [out=FILE.json] [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]",
+    about="The per-rank memory (weights, gradients, optimizer state, activations, communicators) of the run\n"
+    "these overrides compose, from its own step traced without a GPU; with cluster=, its step time there.",
+    keys=[
+        ("world_size=K", f"the workers to play, in [1, {MAX_RANKS}] (required, unless cluster= and nodes= give it)"),
+        ("rank=busiest", "an integer in [0, K - 1]; busiest (holds the most unit parameters); all (every rank)"),
+        ("out=FILE.json", "also write the estimate there"),
+        ("cluster=NAME", "also model the step on conf/cluster/NAME.yaml (cpu_2core, h100_ib, h100_nvlink)"),
+        ("nodes=N", "with cluster=: spread the ranks over N nodes"),
+        ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster, e.g. a measured efficiency"),
+    ],
+    more="Every other key and group is the run's, as sdp.train takes it: python -m sdp.train --help.\n"
+    "Memory figures are GiB (2**30 bytes); docs/memory.md says how far to trust them.",
+    examples=[
+        "python -m sdp.estimate experiment=llama_1b_fineweb world_size=8",
+        "python -m sdp.estimate experiment=llama_1b_fineweb variant=n_sdp_forward masking.coverage=0.5 "
+        "world_size=8 rank=all cluster=h100_nvlink",
+    ],
+)
 
 
 @dataclass
@@ -72,9 +96,6 @@ def parse_args(argv: list[str]) -> EstimateArgs:
     if rank not in RANK_CHOICES and not (rank.isdigit() and int(rank) < k):
         raise ConfigError("rank", rank, f"allowed: an integer in [0, {k - 1}], {', '.join(RANK_CHOICES)}")
     return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None, cluster)
-
-
-MAX_RANKS = 65536  # more than any cluster the step-time model describes
 
 
 def _positive(key: str, value: str) -> int:
@@ -121,6 +142,9 @@ def run_label(cfg: RunConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(USAGE.text())
+        return 0
     try:
         args = parse_args(argv)
         cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)

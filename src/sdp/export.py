@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sdp import rundir
 from sdp.errors import ConfigError
+from sdp.launching.cli import wants_help
 from sdp.paths import DamagedFile, describe, read_yaml_mapping
 from sdp.run.config import RunConfig, to_typed
 from sdp.rundir import write_error
@@ -51,10 +52,30 @@ def run_config(path: Path) -> RunConfig:
         raise DamagedFile(path, f"is not a run's config ({describe(err)})") from None
 
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if argv else 2
+USAGE = """usage: python -m sdp.export RUN_DIR [RUN_DIR ...]   (or sdp-export)
+
+Write RUN_DIR/hf/ for finished runs, from their model.pt and config.yaml, as trainer.export=hf
+does at the end of a run: a transformers LlamaForCausalLM for LLaMA (with the run's tokenizer
+where this machine has it), safetensors and builder.json for the vision models. A run dir that
+has no model.pt, or whose files cannot be read, is one error line naming it; docs/export.md
+describes the files.
+
+Examples:
+  python -m sdp.export outputs/llama_tiny-synthetic_text-none
+  sdp-export runs/*/"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(USAGE)
+        return 0
+    if not argv:
+        print(
+            f"error: {ConfigError('RUN_DIR', None, 'is required: python -m sdp.export RUN_DIR ... (--help)')}",
+            file=sys.stderr,
+        )
+        return 2
     for arg in argv:
         try:
             files = export_run(Path(arg))
@@ -65,5 +86,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def cli() -> None:
+    """The `sdp-export` console script."""
+    sys.exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli()

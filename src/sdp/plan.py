@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdp.errors import ConfigError
+from sdp.launching.cli import Usage, wants_help
 from sdp.paths import check_writable
 from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
@@ -46,6 +47,37 @@ CHOSEN = {  # the planner's choices, and the planner's key that narrows each
     "parallelism.mixed_precision": "precision=",
     "trainer.grad_accum_steps": "the table's micro-batch column (trainer.global_batch_size= sets the batch)",
 }
+
+USAGE = Usage(
+    usage="python -m sdp.plan [group=option ...] [key=value ...] devices=8x80|[80,...,24]|4x80+4x24\n"
+    "                      [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]] [objective=speed|memory] [KEY=VALUE ...]",
+    about="From these GPUs to the run that fits them and runs fastest: every structure (DDP, FSDP, SDP's\n"
+    "modes and coverages, SDP x FSDP, activation checkpointing, bf16) fitted to the devices at its\n"
+    "largest micro-batch, ranked, each row with its sdp.train command.",
+    keys=[
+        ("devices=...", "required: the GPUs' memory in GiB (2**30 bytes): 8x80, [80,80,24,24] or 4x80+4x24"),
+        ("cluster=NAME", "the step-time model, conf/cluster/NAME.yaml (cpu_2core, h100_ib, h100_nvlink)"),
+        ("nodes=N", "with cluster=: the nodes the GPUs are on"),
+        ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster"),
+        ("objective=speed", "speed (needs cluster=): the most tokens or samples per second; memory: the lowest peak"),
+        (f"min_coverage={MIN_COVERAGE}", "the lowest SDP coverage searched, in (0, 1]"),
+        ("coverages=grid", "grid: 0.75, 0.5, 0.25, 0.125; all: every r / K"),
+        ("granularity=...", "neuron,block (a LLaMA's default: neuron)"),
+        ("precision=fp32,bf16", "the precisions searched"),
+        ("checkpointing=none,selective,full", "the activation checkpointing searched"),
+        ("top=20", "the rows printed (an integer, or all)"),
+        ("workers=2", "processes that trace in parallel"),
+        ("world_size=K", "optional: must equal the number of devices"),
+        ("out=DIR", "also write DIR/plan.json and DIR/pareto.png"),
+    ],
+    more="Every other key and group is the run's, as sdp.train takes it (python -m sdp.train --help);\n"
+    "what the planner chooses (masking, parallelism, precision, checkpointing, accumulation) is refused\n"
+    "there. docs/plan.md says how it searches, and how far to trust it.",
+    examples=[
+        "python -m sdp.plan experiment=llama_1b_fineweb devices=8x80 cluster=h100_nvlink",
+        "python -m sdp.plan experiment=llama_1b_fineweb devices=4x80+4x24 objective=memory top=5 out=plan/",
+    ],
+)
 
 
 @dataclass
@@ -226,6 +258,9 @@ def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(USAGE.text())
+        return 0
     try:
         args, composer, plain = prepare(argv)
     except ConfigError as err:

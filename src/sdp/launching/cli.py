@@ -14,9 +14,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sdp.errors import ConfigError
 from sdp.redact import redact
-from sdp.run.config import CONF_DIR, GROUPS, group_options, search_dirs, typed_config, with_config_dirs
+from sdp.run.config import CONF_DIR, GROUPS, SEARCHPATH, group_options, search_dirs, typed_config, with_config_dirs
 
 CFG_KINDS = ("job", "hydra", "all")
+HELP_FLAGS = ("-h", "--help")
 FLAGS = "-m/--multirun, -h/--help, -c/--cfg job|hydra|all, --resolve, -cd/--config-dir DIR"
 
 # The keys most runs set, shown by --help with their defaults.
@@ -58,7 +59,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     line, dirs, args = CommandLine(), [], iter(argv)
     for arg in args:
         name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
-        if arg in ("-h", "--help"):
+        if arg in HELP_FLAGS:
             line.help = True
         elif arg in ("-m", "--multirun"):
             line.multirun = True
@@ -101,7 +102,10 @@ def help_text(overrides: list[str]) -> str:
     """--help: usage, every config group with its options (the user's config dirs included),
     the most-used keys with their defaults, the flags, and where to read more."""
     dirs = search_dirs(overrides)
-    cfg = typed_config(overrides)
+    try:
+        cfg, refused = typed_config(overrides), None
+    except ConfigError as err:  # help is still help: the defaults' values, and why these were not shown
+        cfg, refused = typed_config([o for o in overrides if o.lstrip("+~").startswith(SEARCHPATH)]), err
     lines = [
         "usage: torchrun --nproc_per_node=N -m sdp.train [group=option ...] [key=value ...]",
         "       python -m sdp.train -m key=a,b ...   (a sweep; sweep.KEY=VALUE options: docs/sweeps.md)",
@@ -110,7 +114,10 @@ def help_text(overrides: list[str]) -> str:
     ]
     width = max(len(g) for g in GROUPS)
     lines += [f"  {g:<{width}}  {', '.join(group_options(g, dirs))}" for g in GROUPS]
-    lines += ["", "Keys most runs set (key=value; the value these overrides give; any key of --cfg job works):"]
+    given = "the defaults' values: these overrides are refused" if refused else "the value these overrides give"
+    lines += ["", f"Keys most runs set (key=value; {given}; any key of --cfg job works):"]
+    if refused:
+        lines.append(f"  (error: {refused})")
     width = max(len(k) for k in COMMON_KEYS)
     record = OmegaConf.create(cfg.record)
     lines += [f"  {k:<{width}}  {OmegaConf.select(record, k)}" for k in COMMON_KEYS]
@@ -120,7 +127,35 @@ def help_text(overrides: list[str]) -> str:
         "  --cfg job prints the composed, resolved config and starts nothing (hydra, all: with Hydra's own node);",
         "  --config-dir DIR (or hydra.searchpath=[file://DIR]) adds DIR's experiment/, model/... options.",
         "",
+        "Examples:",
+        "  python -m sdp.train --nproc-per-node=4 experiment=demo_fmnist masking=forward masking.coverage=0.5",
+        "  python -m sdp.train -m variant=ddp,n_sdp_backward seed=0,1 sweep.nproc=4   (a sweep of 4 runs)",
+        "",
         "Read more: README.md (quick start) and docs/ (configuration.md, sdp.md, memory.md, speed.md,",
         "resuming.md, experiments.md, sweeps.md, bad-input.md, troubleshooting.md).",
     ]
     return "\n".join(lines)
+
+
+@dataclass
+class Usage:
+    """A command's --help: its usage line(s), what it does, its own keys (name=DEFAULT, what it
+    means), where the rest of its keys are described, and examples."""
+
+    usage: str
+    about: str
+    keys: list[tuple[str, str]]
+    more: str
+    examples: list[str]
+
+    def text(self) -> str:
+        width = max(len(k) for k, _ in self.keys)
+        lines = [f"usage: {self.usage}", "", self.about, "", "Keys of its own:"]
+        lines += [f"  {k:<{width}}  {meaning}" for k, meaning in self.keys]
+        lines += ["", self.more, "", "Examples:", *(f"  {e}" for e in self.examples)]
+        return "\n".join(lines)
+
+
+def wants_help(argv: list[str]) -> bool:
+    """-h or --help anywhere on a command line (no override or path is spelt so)."""
+    return any(arg in HELP_FLAGS for arg in argv)
