@@ -21,6 +21,7 @@ from sdp.data.core import cache_root
 from sdp.data.images import random_crop_flip
 from sdp.data.tokenizer import encode_docs, train_bpe
 from sdp.errors import ConfigError
+from sdp.paths import DamagedFile
 from sdp.run.config import CONF_DIR
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -360,6 +361,22 @@ def test_local_text_trains_caches_and_reuses(text_dir, tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("name", ["train.npy", "tokenizer.json"])
+def test_a_damaged_local_text_cache_file_is_named_with_how_to_rebuild_it(name, text_dir, tmp_path):
+    cfg = local_cfg(text_dir, tmp_path)
+    prepare_data(cfg)
+    cache = local_text.cache_dir_for(cfg, local_text.list_files(cfg))
+    (cache / name).write_bytes((cache / name).read_bytes()[:100])
+    if name == "tokenizer.json":
+        (cache / "eval.npy").unlink()  # the tokenizer is read again to rebuild what is missing
+    with pytest.raises(DamagedFile) as caught:
+        prepare_data(cfg)
+        build(cfg)
+    problem = str(caught.value)
+    assert problem.startswith(f"{cache / name}: is truncated or corrupt (")
+    assert problem.endswith(f"); delete {cache} and run again: it is rebuilt from dataset.path")
+
+
 def test_local_text_cache_key_follows_files_and_settings(text_dir, tmp_path):
     cfg = local_cfg(text_dir, tmp_path)
     key = local_text.cache_dir_for(cfg, local_text.list_files(cfg))
@@ -438,6 +455,19 @@ def test_cifar_loads_pickle_batches(tmp_path, name):
     assert_partition([eval_items(b, key=image_key) for b in bundles], total=10)
     augmented = next(build(replace(cfg, augment=True)).train)["inputs"]
     assert augmented.shape == (4, 3, 32, 32)
+
+
+def test_a_corrupt_cifar_batch_file_is_named_with_how_to_get_it_back(tmp_path):
+    write_cifar(tmp_path, hundred=False)
+    damaged = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    damaged.write_bytes(damaged.read_bytes()[:500])
+    cfg = DataConfig(name="cifar10", kind="image", path=str(tmp_path), num_classes=10)
+    with pytest.raises(DamagedFile) as caught:
+        build(cfg)
+    assert str(caught.value) == (
+        f"{damaged}: is truncated or corrupt (UnpicklingError: pickle data was truncated); delete "
+        f"{damaged.parent} and run with dataset.download=true, or restore it from the archive"
+    )
 
 
 def test_cifar_missing_files(tmp_path):

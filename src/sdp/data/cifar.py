@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, no_vocab, require_equal
+from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, no_vocab, reading, require_equal
 from sdp.data.images import TensorImages
 from sdp.data.loaders import map_style_bundle
 from sdp.errors import ConfigError
@@ -98,10 +98,24 @@ def prepare(cfg: DataConfig) -> None:
 
 
 def _load(cfg: DataConfig, variant: Variant, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 images [N, 3, 32, 32] and int64 labels [N] of one split."""
-    reader = variant.reader(Path(cfg.path).expanduser(), train=train)
+    """uint8 images [N, 3, 32, 32] and int64 labels [N] of one split; a batch file that cannot be
+    read is one DamagedFile naming it, and how to get it back."""
+    folder = Path(cfg.path).expanduser() / variant.reader.base_folder
+    try:
+        reader = variant.reader(Path(cfg.path).expanduser(), train=train)
+    except Exception:  # noqa: BLE001 - the reader does not say which file: find it
+        _raise_damaged(folder, variant)
+        raise
     images = torch.from_numpy(reader.data).permute(0, 3, 1, 2).contiguous()
     return images, torch.tensor(reader.targets, dtype=torch.int64)
+
+
+def _raise_damaged(folder: Path, variant: Variant) -> None:
+    """DamagedFile for the first of the folder's batch files that does not unpickle."""
+    rebuild = f"delete {folder} and run with dataset.download=true, or restore it from the archive"
+    for name in _batch_files(variant.reader):
+        with reading(folder / name, rebuild=rebuild), open(folder / name, "rb") as f:
+            pickle.load(f, encoding="latin1")
 
 
 def build(cfg: DataConfig, place: Placement) -> DataBundle:

@@ -1,6 +1,7 @@
 """The data layer's shared types: the config, the bundle handed to the trainer, and
 the per-dataset hooks that `sdp.data.api` dispatches to."""
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sdp.errors import ConfigError
+from sdp.paths import DamagedFile, describe
 
 KINDS = ("text", "image")
 
@@ -127,3 +129,15 @@ def no_vocab(cfg: DataConfig) -> None:
 
 def nothing_to_prepare(cfg: DataConfig) -> None:
     """`prepare` hook of datasets that build no cache."""
+
+
+@contextlib.contextmanager
+def reading(path: Path, *, rebuild: str):
+    """A data or cache file read inside this block: any failure to decode it (truncated, corrupt,
+    not what it should be) is one DamagedFile naming it, with `rebuild`: how to get it whole again."""
+    try:
+        yield
+    except DamagedFile:
+        raise
+    except Exception as err:  # noqa: BLE001 - every decoder fails its own way; each is one line
+        raise DamagedFile(path, f"is truncated or corrupt ({describe(err)}); {rebuild}") from None

@@ -6,7 +6,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, no_vocab, nothing_to_prepare, require_equal
+from sdp.data.core import (
+    DataBundle,
+    DataConfig,
+    DatasetSpec,
+    Placement,
+    no_vocab,
+    nothing_to_prepare,
+    reading,
+    require_equal,
+)
 from sdp.data.images import TensorImages
 from sdp.data.loaders import map_style_bundle
 from sdp.errors import ConfigError
@@ -29,18 +38,31 @@ def data_dir(cfg: DataConfig) -> Path:
     return Path(cfg.path or DEFAULT_PATH).expanduser()
 
 
+def rebuild_hint(path: Path) -> str:
+    """How to get a whole IDX file back: Debian's package for its own files, else the original."""
+    if path.parent == Path(DEFAULT_PATH):
+        return "reinstall it: apt-get install --reinstall dataset-fashion-mnist"
+    return f"replace it with the original, or point dataset.path at Debian's copy in {DEFAULT_PATH}"
+
+
 def read_idx(path: Path, *, magic: int) -> np.ndarray:
-    """Decode a gzipped IDX file of uint8 values, checking its magic number and size."""
+    """Decode a gzipped IDX file of uint8 values, checking its magic number and size; a truncated
+    or corrupt file is one DamagedFile naming it and how to get it back."""
+    with reading(path, rebuild=rebuild_hint(path)):
+        return _decode_idx(path, magic=magic)
+
+
+def _decode_idx(path: Path, *, magic: int) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         raw = f.read()
     found = int.from_bytes(raw[:4], "big")
     if found != magic:
-        raise ValueError(f"{path}: IDX magic {found:#010x}, expected {magic:#010x}")
+        raise ValueError(f"IDX magic {found:#010x}, expected {magic:#010x}")
     ndim = magic & 0xFF
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: {data.size} values, header says {shape}")
+        raise ValueError(f"{data.size} values, header says {shape}")
     return data.reshape(shape)
 
 

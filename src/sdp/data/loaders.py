@@ -59,15 +59,30 @@ def repeat_epochs(make_epoch: Callable[[int], Iterable[dict]], *, start_epoch: i
             raise RuntimeError(f"epoch {epoch} of the training data produced no batch")
 
 
-def check_shard_fits(cfg: DataConfig, *, per_rank: int, batch_size: int) -> None:
-    """Raise ConfigError when a rank's train shard cannot fill one batch."""
-    if per_rank < batch_size:
+def check_shard_fits(cfg: DataConfig, *, per_rank: int, place: Placement, tokens: int | None = None) -> None:
+    """Raise ConfigError when a rank's train shard cannot fill one batch; for text (`tokens`: the
+    train split's), say which of dataset.seq_len and the batch to lower, and to what."""
+    if per_rank >= place.batch_size:
+        return
+    batch, world = place.batch_size, place.world_size
+    if tokens is None:
         raise ConfigError(
             "trainer.global_batch_size",
-            f"{batch_size} per rank",
+            f"{batch} per rank",
             f"must be <= {per_rank}, the train samples per rank of dataset.name={cfg.name!r}; "
             "use a smaller batch, fewer ranks or more data",
         )
+    longest = tokens // (batch * world) - 1  # the seq_len at which every rank fills its batch
+    ways = [f"dataset.seq_len to at most {longest}"] if longest >= 1 else []
+    if per_rank > 0:
+        ways.append(f"trainer.global_batch_size to at most {per_rank} per rank")
+    raise ConfigError(
+        "dataset.seq_len",
+        cfg.seq_len,
+        f"the train split of dataset.name={cfg.name!r} has {tokens} tokens: {per_rank} rows of seq_len + 1 "
+        f"per rank for {world} rank(s), and a rank's batch takes {batch}; "
+        + (f"lower {' or '.join(ways)}, or use more data" if ways else "use more data, or fewer ranks"),
+    )
 
 
 def train_stream(cfg: DataConfig, dataset: EpochDataset, *, place: Placement, collate_fn: Callable) -> Iterator[dict]:
@@ -79,7 +94,7 @@ def train_stream(cfg: DataConfig, dataset: EpochDataset, *, place: Placement, co
     sampler = DistributedSampler(
         dataset, num_replicas=place.world_size, rank=place.rank, shuffle=True, seed=place.seed, drop_last=True
     )
-    check_shard_fits(cfg, per_rank=len(sampler), batch_size=place.batch_size)
+    check_shard_fits(cfg, per_rank=len(sampler), place=place, tokens=getattr(dataset, "tokens", None))
 
     def loader_over(indices) -> DataLoader:
         return DataLoader(

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, cache_root, require_at_least
+from sdp.data.core import DataBundle, DataConfig, DatasetSpec, Placement, cache_root, reading, require_at_least
 from sdp.data.packing import token_bundle
 from sdp.data.tokenizer import LOCAL_EOS, TextTokenizer, encode_docs, train_bpe, wrap_tokenizer
 from sdp.errors import ConfigError
@@ -99,7 +99,8 @@ def _tokenizer(cfg: DataConfig, directory: Path, train_names: list[str]) -> Text
     """Load the cached tokenizer, or train it on the train files and cache it."""
     path = directory / "tokenizer.json"
     if path.is_file():
-        return wrap_tokenizer(Tokenizer.from_file(str(path)), eos_token=LOCAL_EOS)
+        with reading(path, rebuild=_rebuild(directory)):
+            return wrap_tokenizer(Tokenizer.from_file(str(path)), eos_token=LOCAL_EOS)
     tok = train_bpe(_read_texts(corpus_root(cfg), train_names), vocab_size=cfg.vocab_size)
     tmp = _atomic_target(path)
     tok.tokenizer.save(str(tmp))
@@ -166,8 +167,21 @@ def build(cfg: DataConfig, place: Placement) -> DataBundle:
     directory = cache_dir_for(cfg, list_files(cfg))
     if not _is_complete(directory):
         raise RuntimeError(f"no complete local_text cache at {directory}: call prepare_data before build_data")
-    train, evaluation = (np.load(directory / f"{s}.npy", mmap_mode="r") for s in SPLITS)
+    train, evaluation = (_load_tokens(directory / f"{s}.npy") for s in SPLITS)
     return token_bundle(cfg, train, evaluation, place)
+
+
+def _rebuild(directory: Path) -> str:
+    return f"delete {directory} and run again: it is rebuilt from dataset.path"
+
+
+def _load_tokens(path: Path) -> np.ndarray:
+    """A cached token array (memory-mapped); DamagedFile naming it when it cannot be read."""
+    with reading(path, rebuild=_rebuild(path.parent)):
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or tokens.dtype.kind != "u":
+            raise ValueError(f"holds {tokens.dtype} {tokens.shape}, not a 1-D array of token ids")
+        return tokens
 
 
 def vocab_size(cfg: DataConfig) -> int:

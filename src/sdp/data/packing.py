@@ -25,8 +25,11 @@ def as_rows(tokens: np.ndarray, *, seq_len: int) -> np.ndarray:
 class TokenRows(EpochDataset):
     """Map-style dataset over the packed rows of a (possibly memory-mapped) token array."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int):
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, corpus: bool = True):
         self.rows = as_rows(tokens, seq_len=seq_len)
+        # A corpus has so many tokens whatever the seq_len (a batch that does not fit says which
+        # seq_len would); synthetic rows are drawn seq_len + 1 tokens long, so do not count.
+        self.tokens = len(tokens) if corpus else None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -50,11 +53,14 @@ def packed_batches(chunks: Iterable[np.ndarray], *, seq_len: int, batch_size: in
         carry = carry[full * block :]
 
 
-def token_bundle(cfg: DataConfig, train: np.ndarray, evaluation: np.ndarray, place: Placement) -> DataBundle:
-    """The DataBundle of flat token arrays: rows of seq_len+1 tokens, sharded over ranks."""
+def token_bundle(
+    cfg: DataConfig, train: np.ndarray, evaluation: np.ndarray, place: Placement, *, corpus: bool = True
+) -> DataBundle:
+    """The DataBundle of flat token arrays: rows of seq_len+1 tokens, sharded over ranks
+    (`corpus`: the token count is the data's, not drawn for the seq_len)."""
     return map_style_bundle(
         cfg,
-        train=TokenRows(train, seq_len=cfg.seq_len),
+        train=TokenRows(train, seq_len=cfg.seq_len, corpus=corpus),
         evaluation=TokenRows(evaluation, seq_len=cfg.seq_len),
         place=place,
         vocab_size=cfg.vocab_size,

@@ -28,7 +28,7 @@ def build_text(cfg: DataConfig, place: Placement) -> DataBundle:
     train, evaluation = (
         rng.integers(0, cfg.vocab_size, size=n * (cfg.seq_len + 1)) for n in (cfg.num_samples, cfg.num_eval_samples)
     )
-    return token_bundle(cfg, train, evaluation, place)
+    return token_bundle(cfg, train, evaluation, place, corpus=False)
 
 
 def validate_image(cfg: DataConfig, *, offline: bool) -> None:

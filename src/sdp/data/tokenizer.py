@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from sdp.data.core import DataConfig
+from sdp.data.core import DataConfig, reading
 from sdp.errors import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -129,7 +129,9 @@ def wrap_tokenizer(tokenizer: Tokenizer, *, eos_token: str | None) -> TextTokeni
 def load_tokenizer(cfg: DataConfig) -> TextTokenizer:
     """Load the configured pretrained tokenizer, downloading tokenizer.json if needed."""
     path = find_tokenizer_file(cfg, offline=False) or _download_tokenizer_file(cfg.tokenizer)
-    return wrap_tokenizer(Tokenizer.from_file(str(path)), eos_token=cfg.eos_token)
+    with reading(path, rebuild="replace it: a hub tokenizer's copy is fetched again once deleted (online)"):
+        tokenizer = Tokenizer.from_file(str(path))
+    return wrap_tokenizer(tokenizer, eos_token=cfg.eos_token)
 
 
 def id_limit(cfg: DataConfig, tok: TextTokenizer) -> int:

@@ -74,6 +74,12 @@ class ParallelConfig:
     timeout_s: float = 1800.0
 
 
+# parallelism.timeout_s: every rank must reach the rendezvous within it (importing torch takes
+# seconds; 0.001 s let the rank die in DistNetworkError here). Waits on sockets take it in
+# milliseconds as a C int (poll(2)): 2**31 - 1 ms, 24.8 days, is the most that every layer
+# can hold (1e10 s, past torch's int64 nanoseconds, timed out at once).
+TIMEOUT_RANGE_S = (10, (2**31 - 1) // 1000)
+
 # Communicators cost device memory (parallelism.comm_group_overhead_mb each): a rank in more
 # than this many groups is a typo of parallelism.max_comm_groups, not a plan.
 MAX_COMM_GROUPS = 4096
@@ -88,8 +94,13 @@ def validate_parallel(cfg: ParallelConfig) -> None:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
     if cfg.comm_group_overhead_mb < 0:
         raise ConfigError("parallelism.comm_group_overhead_mb", cfg.comm_group_overhead_mb, "must be >= 0")
-    if not cfg.timeout_s > 0:
-        raise ConfigError("parallelism.timeout_s", cfg.timeout_s, "must be > 0 (seconds)")
+    if not TIMEOUT_RANGE_S[0] <= cfg.timeout_s <= TIMEOUT_RANGE_S[1]:
+        raise ConfigError(
+            "parallelism.timeout_s",
+            cfg.timeout_s,
+            f"must be in [{TIMEOUT_RANGE_S[0]:.0f}, {TIMEOUT_RANGE_S[1]:.0f}] seconds: shorter, ranks that start "
+            "seconds apart cannot meet; longer, its milliseconds overflow a C int (24.8 days)",
+        )
     if not 1 <= cfg.max_comm_groups <= MAX_COMM_GROUPS:
         raise ConfigError(
             "parallelism.max_comm_groups",

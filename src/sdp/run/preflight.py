@@ -8,6 +8,8 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from sdp import dist, rundir
 from sdp.errors import ConfigError
 from sdp.run.checkpoint import complete_checkpoints
@@ -77,6 +79,16 @@ def resize_refusal(overrides: list[str], err: ConfigError, *, world_size: int) -
     )
 
 
+def check_machine(cfg: RunConfig) -> None:
+    """What this machine must have for the run to start here (the estimator and a sweep's dry
+    run may describe a GPU cluster from a laptop; a launch may not)."""
+    backend = cfg.parallelism.backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallelism.backend", backend, "needs CUDA, which this machine lacks; here: auto or gloo")
+    if backend == "nccl" and cfg.trainer.device == "cpu":
+        raise ConfigError("parallelism.backend", backend, "cannot reduce CPU tensors (trainer.device=cpu); use gloo")
+
+
 @dataclass
 class Checked:
     """What the checks found, handed on to the run: its config, what it resumes from (None for a
@@ -93,6 +105,7 @@ def preflight(overrides: list[str], world: dist.World) -> Checked:
     try:
         cfg = typed_config(overrides)
         plan = validate(cfg, world_size=world.world_size, offline=dist.hub_offline())
+        check_machine(cfg)
         return Checked(cfg, check_run_dir(cfg), plan)
     except ConfigError as err:
         raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None

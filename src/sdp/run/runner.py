@@ -109,8 +109,9 @@ def run(checked: Checked, world: dist.World) -> Summary:
     try:
         ckpt = pick_checkpoint(resume, world=world)
         start_step = ckpt.step if ckpt else 0
-        run_dir = _open_run_dir(cfg, world=world, resumed=resume is not None, start_step=start_step)
-        summary.run_dir = str(run_dir)
+        run_dir = _choose_run_dir(cfg, world=world)
+        summary.run_dir = str(run_dir)  # from here on a failure is reported in the run dir
+        _open_run_dir(cfg, run_dir, world=world, resumed=resume is not None, start_step=start_step)
         logger = RunLogger(
             cfg.logger,
             run_dir=run_dir,
@@ -192,18 +193,22 @@ def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> 
     )
 
 
-def _open_run_dir(cfg: RunConfig, *, world: dist.World, resumed: bool, start_step: int) -> Path:
-    """Collective: the run dir, chosen by rank 0 and made there with config.yaml and the launch
-    record; a resumed run's metrics after its checkpoint are dropped (written again)."""
+def _choose_run_dir(cfg: RunConfig, *, world: dist.World) -> Path:
+    """Collective: the run dir, chosen by rank 0."""
     chosen = rundir.choose_run_dir(run_dir=cfg.run_dir, output_root=cfg.output_root, name=run_name(cfg))
-    run_dir = Path(dist.broadcast_object(str(chosen) if world.is_main else None))
+    return Path(dist.broadcast_object(str(chosen) if world.is_main else None))
+
+
+def _open_run_dir(cfg: RunConfig, run_dir: Path, *, world: dist.World, resumed: bool, start_step: int) -> None:
+    """Rank 0 makes the run dir with config.yaml and the launch record; a resumed run's metrics
+    after its checkpoint are dropped (written again). Each file is replaced whole or not at all
+    (a full disk leaves what was there)."""
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / rundir.CONFIG).write_text(record_yaml(cfg))
+        rundir.write_text_atomic(run_dir / rundir.CONFIG, record_yaml(cfg))
         rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
         if resumed:
             rundir.truncate_metrics(run_dir, start_step)
-    return run_dir
 
 
 @dataclass
@@ -351,6 +356,9 @@ def main(overrides: list[str]) -> int:
         return 2
     try:
         summary = run(checked, world)
+    except ConfigError as err:  # found once the data is there (too small for a batch): bad input all the same
+        dist.print0(world, f"error: {err}", file=sys.stderr)
+        return 2
     except RunFailed as err:  # diagnosed (and in summary.json once it exists): one line, no traceback
         if err.reporter if isinstance(err, PeerLost) else world.is_main:
             print(redact_text(f"error: {err}"), file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ from sdp.rundir.files import (
     truncate_metrics,
     write_error,
     write_json_atomic,
+    write_text_atomic,
 )
 from sdp.rundir.summary import (
     STATUSES,
@@ -69,5 +70,6 @@ __all__ = [
     "variant_label",
     "write_error",
     "write_json_atomic",
+    "write_text_atomic",
     "write_summary",
 ]

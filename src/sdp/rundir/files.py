@@ -20,11 +20,20 @@ LAUNCH = "launch.json"
 CHECKPOINTS = "checkpoints"
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file, so a reader never sees half a file and a failed write (a
+    full disk) leaves the old file as it was and no temporary one behind."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write JSON through a temporary file, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 # A write that failed where less than this is free is put down to a full disk: torch.save reports
@@ -92,9 +101,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------- torchrun restarts (launch.json)

@@ -136,9 +136,12 @@ class Summary:
 
     @classmethod
     def from_json(cls, obj: dict) -> Summary:
-        """The record of a summary.json object; raises TypeError when a required key is missing."""
+        """The record of a summary.json object; raises TypeError, naming the key, when a required
+        key is missing or a field holds a value of another type (a number written as "NaN")."""
         names = _field_names()
         known = {k: v for k, v in obj.items() if k in names and k != "strategy"}
+        for key, value in known.items():
+            _check_type(key, value)
         return cls(**known, strategy={k: v for k, v in obj.items() if k not in names})
 
     @property
@@ -149,6 +152,34 @@ class Summary:
 
 def _field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(Summary)}
+
+
+# What each annotation of a field accepts from JSON: a float field takes a whole number too.
+_JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "dict": (dict,), "list": (list,)}
+_NAMES = {str: "a string", int: "an integer", dict: "a mapping", list: "a list"}
+
+
+def _check_type(key: str, value: object) -> None:
+    """TypeError `KEY=VALUE: must be ...` when `value` is not what Summary's field `key` holds;
+    the memory figures (`*_bytes`) are checked one level down."""
+    annotation = Summary.__dataclass_fields__[key].type
+    kinds = [k.strip().split("[")[0] for k in str(annotation).split("|")]
+    allowed = tuple(t for k in kinds for t in _JSON_TYPES.get(k, ()))
+    if (value is None and "None" in kinds) or (isinstance(value, allowed) and not isinstance(value, bool)):
+        if key == "memory":
+            for name, figure in value.items():
+                if name.endswith("_bytes"):
+                    _check_type_of(f"memory.{name}", figure, (int, float), nullable=True)
+        return
+    if allowed:
+        _check_type_of(key, value, allowed, nullable="None" in kinds)
+
+
+def _check_type_of(key: str, value: object, allowed: tuple[type, ...], *, nullable: bool) -> None:
+    if (value is None and nullable) or (isinstance(value, allowed) and not isinstance(value, bool)):
+        return
+    what = "a number" if float in allowed else _NAMES[allowed[0]]
+    raise TypeError(f"{key}={value!r}: must be {what}{' or null' if nullable else ''}")
 
 
 def write_summary(run_dir: Path, summary: Summary) -> None:
@@ -166,7 +197,7 @@ def load_summary(run_dir: Path) -> Summary:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise DamagedFile(path, f"cannot be read as JSON ({describe(err)})") from None
     except (TypeError, AttributeError) as err:
-        raise DamagedFile(path, f"is not a run's summary ({err})") from None
+        raise DamagedFile(path, f"is not a run's summary: {err}") from None
 
 
 def read_summary(run_dir: Path) -> Summary | None:
