@@ -11,7 +11,7 @@ import pytest
 from conftest import job_env, read_run
 
 from sdp.estimate import main as estimate_main
-from sdp.plan import describe_devices, main
+from sdp.plan import describe_devices, main, nothing_fits, parse_args
 from sdp.planning.report import CITED, CLAIMS, caveat
 from sdp.planning.space import Structure
 
@@ -67,12 +67,12 @@ def test_nothing_fits_says_the_smallest_peak_and_what_would_fit(capsys):
     assert "0 fit, 4 do not, 0 refused" in out
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     # 10 MiB cannot hold the tiny LLaMA's weights, gradients and AdamW state (about 17 MiB on
-    # the smallest rank), so fewer tokens would not do: more devices, or a lower coverage.
+    # the smallest rank), so fewer tokens would not do: more devices. C = 0.5 was searched, and
+    # 2 GPUs give no lower coverage: none is suggested (it suggested min_coverage=0.5 once).
     pattern = (
         r"error: devices='2x0.01': nothing fits: the smallest peak is 0\.0\d+ GiB on a 0\.01 GiB GPU "
         r"\(B-SDP forward C=0\.5, micro-batch 1, rank [01]\); to fit, try more devices \(weights, "
-        r"gradients, optimizer state and communicators alone take 0\.0\d+ GiB\), or a lower coverage "
-        r"\(min_coverage=0\.5 coverages=all\)"
+        r"gradients, optimizer state and communicators alone take 0\.0\d+ GiB\)"
     )
     assert re.fullmatch(pattern, line), line
 
@@ -179,3 +179,32 @@ def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
     close[0]["peaks_bytes"] = {0: 78 * 2**30}
     assert [r["run"] for r in plan.verified(close, {"a": None}, lambda s: None, args)] == ["b"]
     assert "top row traced whole: a, peak 81 GiB (the line's 78): it does not fit, next" in capsys.readouterr().out
+
+
+def _miss(coverage: float, *, masking: str = "forward") -> dict:
+    """A row that does not fit, as sdp.planning.report.row writes one."""
+    breakdown = {"weights": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 10.0, "temporaries": 2.0, "total": 16.0}
+    return {
+        "run": f"N-SDP {masking} C={coverage:g}",
+        "structure": {"masking": masking, "coverage": coverage},
+        "fits": False,
+        "headroom": -0.2 * coverage,
+        "peak_gib": 16.0,
+        "devices_gib": [10.0] * 4,
+        "busiest_rank": 0,
+        "breakdown_gib": breakdown,
+    }
+
+
+@pytest.mark.parametrize(
+    "coverages,hint",
+    [
+        ([0.5, 0.75], "a lower coverage (min_coverage=0.25 coverages=all: C = 1/4 is the lowest 4 GPUs give)"),
+        ([0.25, 0.5], None),  # 1/4 was searched: no lower one to suggest
+    ],
+)
+def test_nothing_fits_suggests_only_a_coverage_the_world_gives_and_was_not_searched(coverages, hint):
+    args = parse_args(["devices=4x10", "objective=memory"])
+    line = nothing_fits(args, [_miss(c) for c in coverages] + [_miss(1.0, masking="none")])
+    assert line.startswith("devices='4x10': nothing fits: the smallest peak is 16 GiB on a 10 GiB GPU (N-SDP")
+    assert line.endswith(f"or {hint}") if hint else "coverage" not in line.split("; to fit, try ")[1]

@@ -29,7 +29,8 @@ def test_devices_are_gib_per_gpu_in_rank_order(text, gib):
     [
         ("8x", f"devices='8x': {FORMS}, at most 65536 GPUs"),
         ("[80,,80]", f"devices='[80,,80]': {FORMS}, at most 65536 GPUs"),
-        ("0x80", f"devices='0x80': {FORMS}, at most 65536 GPUs"),
+        ("0x80", "devices='0x80': has 0x80: no GPU; each part needs at least one device (1x80)"),
+        ("4x80+0x24", "devices='4x80+0x24': has 0x24: no GPU; each part needs at least one device (1x80)"),
         ("[80,big]", f"devices='[80,big]': {FORMS}; 'big' is not a number of GiB"),
         ("[80,nan]", "devices='[80,nan]': has nan GiB: each GPU's memory must be a number in (0, 1e6]"),
         ("2x0", "devices='2x0': has 0 GiB: each GPU's memory must be a number in (0, 1e6]"),

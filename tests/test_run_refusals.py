@@ -130,3 +130,12 @@ def test_a_truncated_idx_file_is_named_whatever_the_damage(tmp_path):
     path.write_bytes(path.read_bytes()[:-12])
     with pytest.raises(DamagedFile, match=rf"^{path}: is truncated or corrupt \(EOFError: .*\); replace it"):
         read_idx(path, magic=LABELS_MAGIC)
+
+
+def test_a_sweep_dir_that_cannot_be_made_is_named_as_itself(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["-m", "model=resnet_tiny", "dataset=synthetic_image", "seed=0,1", "sweep.dir=/proc/sdp-sweep"]
+    assert train.main([*argv, "sweep.dry_run=true"]) == 2
+    assert capsys.readouterr().err == (
+        "error: sweep.dir='/proc/sdp-sweep': cannot be created or written in: No such file or directory (in /proc)\n"
+    )  # it named the first job's run_dir, /proc/sdp-sweep/000-seed_0

@@ -235,8 +235,9 @@ def nothing_fits(args: PlanArgs, rows: list[dict]) -> str:
     else:
         ways.append(f"more devices (weights, gradients, optimizer state and communicators alone take {static:.3g} GiB)")
     k = len(args.devices)
-    if args.min_coverage > 1 / k + 1e-9 or not args.every:
-        ways.append(f"a lower coverage (min_coverage={1 / k:g} coverages=all)")
+    searched = [r["structure"]["coverage"] for r in rows if r["structure"]["masking"] != "none"]
+    if searched and 1 / k < min(c for c in searched if c) - 1e-9:  # r / K: 1 / K is the lowest K gives
+        ways.append(f"a lower coverage (min_coverage={1 / k:g} coverages=all: C = 1/{k} is the lowest {k} GPUs give)")
     return (
         f"devices={args.devices_text!r}: nothing fits: the smallest peak is {miss['peak_gib']:.3g} GiB on a "
         f"{gib:g} GiB GPU ({miss['run']}, micro-batch 1, rank {miss['busiest_rank']}); to fit, try "

@@ -54,6 +54,7 @@ from hydra.errors import HydraException
 from sdp import dist
 from sdp.errors import ConfigError
 from sdp.launching.variants import launch
+from sdp.paths import check_writable
 from sdp.redact import redact, redact_text
 from sdp.run import runner
 from sdp.run.config import load_config
@@ -231,6 +232,7 @@ def run_sweep(argv: list[str]) -> int:
         if nodes > 1 and launcher != "slurm":
             raise ConfigError("sweep.nodes", nodes, "more than one node needs sweep.launcher=slurm")
         root = Path(options.get("dir") or f"outputs/sweeps/{time.strftime('%Y%m%d-%H%M%S')}")
+        check_writable("sweep.dir", root)
         jobs = plan(overrides, root=root, nproc=nproc * nodes, name=options.get("name"))
     except (ConfigError, ValueError) as err:
         print(redact_text(f"error: {err}"), file=sys.stderr)

@@ -40,7 +40,9 @@ def parse_devices(text: str) -> list[float]:
     else:
         for part in spec.split("+"):
             m = re.fullmatch(r"(\d+)[xX]([0-9.]+)", part)
-            if m is None or not 1 <= int(m.group(1)) <= MAX_DEVICES:
+            if m is not None and int(m.group(1)) == 0:
+                raise ConfigError("devices", text, f"has {part}: no GPU; each part needs at least one device (1x80)")
+            if m is None or int(m.group(1)) > MAX_DEVICES:
                 found = []
                 break
             found += [_gib(text, m.group(2))] * int(m.group(1))

@@ -144,8 +144,35 @@ def _explain_compose_error(err: Exception, overrides: list[str]) -> ConfigError:
         value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
         hint = _closest_key(key, [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key])
         return ConfigError(key, value, f"no such key{hint} (prefix '+' to add a new one)")
+    bad = _unparsable(overrides)
+    if bad is not None:
+        return bad
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", msg)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        sweep = "a comma list is a sweep (python -m sdp.train -m ...)"
+        return ConfigError(key, value, f"{sweep}; a list value is in brackets: {key}=[{value}]")
     first_line = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
     return ConfigError("overrides", " ".join(overrides), f"could not be composed: {first_line}")
+
+
+def _unparsable(overrides: list[str]) -> ConfigError | None:
+    """The first override Hydra's grammar cannot read, with the hint that fixes most: the shell
+    split it (a space in a value, a list with spaces) or a bracket is open; None if each reads."""
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as err:
+            key, sep, value = override.partition("=")
+            hint = (
+                "quote a value with spaces or brackets as one shell word, brackets closed: 'key=[a, b]', 'name=my run'"
+            )
+            detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            if not sep:
+                return ConfigError("overrides", override, f"is not key=value (was a value split at a space?); {hint}")
+            return ConfigError(key, value, f"cannot be parsed ({detail}); {hint}")
+    return None
 
 
 def _closest_key(key: str, overrides: list[str]) -> str:
@@ -275,11 +302,16 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
     the holder sets), for the run to hand on to its strategy; None for a run without SDP."""
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ConfigError("seed", cfg.seed, "must be an integer")
+    for key, seed in (("seed", cfg.seed), ("masking.seed", cfg.masking.seed)):
+        # A resume on another world size re-seeds from numpy's SeedSequence([seed, ...]), which
+        # takes no negative seed; torch takes none past 64 bits.
+        if not 0 <= seed <= INT64[1]:
+            raise ConfigError(key, seed, "must be in [0, 2**63 - 1]")
     check_numbers(cfg)
-    if cfg.name is not None and (not cfg.name or Path(cfg.name).name != cfg.name or cfg.name in (".", "..")):
+    if cfg.name is not None and not cfg.name.strip():
+        raise ConfigError("name", cfg.name, "is empty: give a name, or leave name out (model-dataset-masking)")
+    if cfg.name is not None and (Path(cfg.name).name != cfg.name or cfg.name in (".", "..")):
         raise ConfigError("name", cfg.name, "must be a plain name (no '/' or '..'): it names a dir under output_root")
-    if cfg.seed < 0:  # a resume on another world size re-seeds from numpy's SeedSequence([seed, ...])
-        raise ConfigError("seed", cfg.seed, "must be >= 0")
     validate_model(cfg.model)
     validate_masking(cfg.masking)
     validate_parallel(cfg.parallelism)

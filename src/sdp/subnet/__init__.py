@@ -109,14 +109,14 @@ class MaskingConfig:
 
 def validate_masking(cfg: MaskingConfig) -> None:
     """Checks on the masking values alone (the mask itself is checked against the model before launch)."""
+    if cfg.capacity is not None:  # first: the coverage is then the capacities' mean, not the user's
+        _validate_capacity(cfg)
     if not 0.0 < cfg.coverage <= 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "must be in (0, 1]")
     if cfg.name == "none" and cfg.coverage != 1.0:
         raise ConfigError("masking.coverage", cfg.coverage, "masking=none holds every unit: coverage must be 1.0")
-    if cfg.capacity is not None:
-        _validate_capacity(cfg)
     if cfg.seed < 0:  # numpy's generators take no negative seed
-        raise ConfigError("masking.seed", cfg.seed, "must be >= 0")
+        raise ConfigError("masking.seed", cfg.seed, "must be in [0, 2**63 - 1]")
     if cfg.bn_recalibration_batches < 0:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
@@ -154,6 +154,16 @@ def _validate_capacity(cfg: MaskingConfig) -> None:
         raise ConfigError(
             "masking.capacity", cfg.capacity, f"has {bad[0]:g}: each worker's share of the units must be in (0, 1]"
         )
+
+
+def coverage_key(cfg: MaskingConfig, worker: int | None = None) -> tuple[str, object]:
+    """The key and value an error about the units a worker holds names: masking.capacity (the
+    worker's entry, where one is named) when capacities are given, else masking.coverage."""
+    if cfg.capacity is None:
+        return "masking.coverage", cfg.coverage
+    if worker is None:
+        return "masking.capacity", cfg.capacity
+    return f"masking.capacity[{worker}]", cfg.capacity[worker]
 
 
 def capacity_coverage(cfg: MaskingConfig) -> float:

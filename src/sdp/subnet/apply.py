@@ -118,11 +118,13 @@ def apply_forward_masking(
                     add_scale_hook(model.get_submodule(out), mask.num_workers / len(mask.unit_holders(g)[0]))
             continue
         if held.size == 0:
+            uniform = mask.holders is not None  # else masking.capacity gave each worker its share
             raise ConfigError(
-                "masking.coverage",
+                "masking.coverage" if uniform else f"masking.capacity[{rank}]",
                 mask.capacity[rank],
                 f"leaves worker {rank} no unit of {group.name} ({group.num_units} {group.kind} units over "
-                f"{mask.num_workers} workers); raise the coverage or use masking.granularity=block",
+                f"{mask.num_workers} workers); raise {'the coverage' if uniform else 'its capacity'} or use "
+                "masking.granularity=block",
             )
         for attr_path in group.count_attrs:
             owner, attr = _owner(model, attr_path)

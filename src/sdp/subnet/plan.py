@@ -21,7 +21,7 @@ from torch import nn
 from sdp.errors import ConfigError
 from sdp.models import blocks, build_on_meta
 from sdp.parallel import ParallelConfig
-from sdp.subnet import MaskingConfig
+from sdp.subnet import MaskingConfig, coverage_key
 from sdp.subnet.capacity import capacity_mask, check_length
 from sdp.subnet.groups import REPLICATED, joined, rank_sets, sdp_dimension_sets, shard_dims
 from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
@@ -256,11 +256,13 @@ def _check_every_worker_holds_a_block(plan: SubnetPlan) -> None:
     blocks = [g for g, group in enumerate(spec.groups) if group.kind == "block"]
     for worker in range(k):
         if blocks and not any(mask.held_units(worker, g).size for g in blocks):
+            key, value = coverage_key(plan.cfg, worker)
+            held_by = f"each held by {mask.holders} of {k} workers" if mask.holders else f"over {k} workers"
             raise ConfigError(
-                "masking.coverage",
-                plan.cfg.coverage,
-                f"leaves worker {worker} of {k} no block (the model has {len(blocks)}, each held by "
-                f"{mask.holders} of {k} workers); raise the coverage, use fewer workers or "
+                key,
+                value,
+                f"leaves worker {worker} of {k} no block (the model has {len(blocks)}, {held_by}); raise "
+                f"{'its capacity' if plan.cfg.capacity else 'the coverage'}, use fewer workers or "
                 "masking.granularity=neuron",
             )
 
@@ -272,9 +274,11 @@ def _check_every_worker_holds_neurons(plan: SubnetPlan) -> None:
     for g, group in enumerate(plan.spec.groups):
         for worker in range(k):
             if group.kind != "block" and plan.mask.held_units(worker, g).size == 0:
+                key, value = coverage_key(plan.cfg, worker)
                 raise ConfigError(
-                    "masking.coverage",
-                    plan.cfg.coverage,
-                    f"leaves worker {worker} of {k} no unit of {group.name} ({group.num_units} "
-                    f"{group.kind} units); raise the coverage, use fewer workers or masking.granularity=block",
+                    key,
+                    value,
+                    f"leaves worker {worker} of {k} no unit of {group.name} ({group.num_units} {group.kind} "
+                    f"units); raise {'its capacity' if plan.cfg.capacity else 'the coverage'}, use fewer workers "
+                    "or masking.granularity=block",
                 )
