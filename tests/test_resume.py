@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -42,9 +43,26 @@ def test_stop_and_resume_equals_one_run(tmp_path, variant):
         [*overrides, f"run_dir={resumed}", "trainer.stop_at_step=3"],  # ends after step 3, as a preemption would
         [*overrides, f"run_dir={resumed}"],  # the same command again: resumes from step 3
     ]
-    for argv in runs:
+    warnings = []
+    for i, argv in enumerate(runs):
+        if i == 2 and variant == "ddp":  # config.yaml edited by hand: what it says changes nothing
+            config = (resumed / "config.yaml").read_text()
+            (resumed / "config.yaml").write_text(re.sub(r"\n  lr: .*\n", "\n  lr: 0.5\n", config) + "extra: 1\n")
         proc = launch(argv, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        warnings += [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == (
+        [
+            f"warning: {resumed / 'config.yaml'} was edited: it differs from the config this command resumes "
+            "with (extra: 1 -> '<absent>'; optim.lr: 0.5 -> 0.001); it is rewritten with this command's: a run's "
+            "config is set by its command line, not by config.yaml"
+        ]
+        if variant == "ddp"
+        else []  # an untouched config.yaml reads back as the record it was written from
+    )
+    assert (resumed / "config.yaml").read_text() == (straight / "config.yaml").read_text().replace(
+        str(straight), str(resumed)
+    )
     a, b = (torch.load(d / "model.pt", weights_only=True) for d in (straight, resumed))
     assert a.keys() == b.keys()
     for name in a:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from sdp import dist
 from sdp.errors import ConfigError
 from sdp.parallel import PortableState
-from sdp.paths import read_yaml_mapping
+from sdp.paths import DamagedFile, read_yaml_mapping
 from sdp.run.checkpoint import FORMAT, Checkpoint, complete_checkpoints, file_digest
 from sdp.rundir import CONFIG, METRICS, run_status
 
@@ -63,17 +64,66 @@ def resume_view(config: dict | None) -> dict | None:
     return config
 
 
-def first_difference(a, b, prefix: str = "") -> str | None:
-    """The first dotted key where two nested config containers differ, as 'key: old -> new'."""
+def differences(a, b, prefix: str = "") -> Iterator[str]:
+    """Every dotted key where two nested config containers differ, in key order, as 'key: old -> new'."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             if key not in a or key not in b:
-                return f"{prefix}{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
-            diff = first_difference(a[key], b[key], f"{prefix}{key}.")
-            if diff:
-                return diff
+                yield f"{prefix}{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
+            else:
+                yield from differences(a[key], b[key], f"{prefix}{key}.")
+    elif a != b:
+        yield f"{prefix.rstrip('.')}: {a!r} -> {b!r}"
+
+
+def first_difference(a, b, prefix: str = "") -> str | None:
+    """The first dotted key where two nested config containers differ, as 'key: old -> new'."""
+    return next(differences(a, b, prefix), None)
+
+
+MAX_SHOWN = 5  # the keys an edited config.yaml's warning names
+
+
+def config_edits(path: Path, config: dict, recorded: dict | None) -> str | None:
+    """When the run dir's config.yaml (`path`) was edited by hand (a resume rewrites it), one
+    warning naming each edited key, 'key: the file's -> this command's'; None otherwise. A key
+    is edited when the file holds neither this command's value (`config`) nor the one the
+    checkpoint recorded (`recorded`: the launch that wrote both), so a key the command changes
+    on resume is not one."""
+    if not path.is_file():
         return None
-    return None if a == b else f"{prefix.rstrip('.')}: {a!r} -> {b!r}"
+    try:
+        file = _flat(read_yaml_mapping(path))
+    except DamagedFile as err:
+        return f"{path} {err.allowed}; it is rewritten with this command's config"
+    now, then = _flat(config), _flat(recorded or config)
+    edited = [
+        k
+        for k in sorted(set(file) | set(now))
+        if file.get(k, _ABSENT) not in (now.get(k, _ABSENT), then.get(k, _ABSENT))
+    ]
+    if not edited:
+        return None
+    shown = [f"{k}: {file.get(k, _ABSENT)!r} -> {now.get(k, _ABSENT)!r}" for k in edited[:MAX_SHOWN]]
+    more = f"; and {len(edited) - MAX_SHOWN} more" if len(edited) > MAX_SHOWN else ""
+    return (
+        f"{path} was edited: it differs from the config this command resumes with ({'; '.join(shown)}{more}); "
+        "it is rewritten with this command's: a run's config is set by its command line, not by config.yaml"
+    )
+
+
+_ABSENT = "<absent>"
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested config (lists are values)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from sdp.run.measure import Meter
 from sdp.run.nonfinite import NonFinitePolicy
 from sdp.run.outcome import export_model, peer_lost, print_result, resume_hint, save_summary, write_failure
 from sdp.run.preflight import Checked, preflight
-from sdp.run.resume import Resume, choose_checkpoint, load_checkpoint
+from sdp.run.resume import Resume, choose_checkpoint, config_edits, load_checkpoint
 from sdp.run.signals import StopSignals
 from sdp.run.trainer import Evaluation, micro_batch_size, train
 from sdp.rundir import Summary, variant_label
@@ -111,7 +111,7 @@ def run(checked: Checked, world: dist.World) -> Summary:
         start_step = ckpt.step if ckpt else 0
         run_dir = _choose_run_dir(cfg, world=world)
         summary.run_dir = str(run_dir)  # from here on a failure is reported in the run dir
-        _open_run_dir(cfg, run_dir, world=world, resumed=resume is not None, start_step=start_step)
+        _open_run_dir(cfg, run_dir, world=world, resumed=resume is not None, ckpt=ckpt)
         logger = RunLogger(
             cfg.logger,
             run_dir=run_dir,
@@ -199,16 +199,20 @@ def _choose_run_dir(cfg: RunConfig, *, world: dist.World) -> Path:
     return Path(dist.broadcast_object(str(chosen) if world.is_main else None))
 
 
-def _open_run_dir(cfg: RunConfig, run_dir: Path, *, world: dist.World, resumed: bool, start_step: int) -> None:
-    """Rank 0 makes the run dir with config.yaml and the launch record; a resumed run's metrics
-    after its checkpoint are dropped (written again). Each file is replaced whole or not at all
-    (a full disk leaves what was there)."""
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.write_text_atomic(run_dir / rundir.CONFIG, record_yaml(cfg))
-        rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
-        if resumed:
-            rundir.truncate_metrics(run_dir, start_step)
+def _open_run_dir(cfg: RunConfig, run_dir: Path, *, world: dist.World, resumed: bool, ckpt: Checkpoint | None) -> None:
+    """Rank 0 makes the run dir with config.yaml (a warning first when a resume finds it edited
+    by hand) and the launch record; a resumed run's metrics after its checkpoint are dropped
+    (written again). Each file is replaced whole or not at all (a full disk leaves what was there)."""
+    if not world.is_main:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    edited = config_edits(run_dir / rundir.CONFIG, cfg.record, ckpt.meta.get("config") if ckpt else None)
+    if resumed and edited:
+        dist.warn0(world, edited)
+    rundir.write_text_atomic(run_dir / rundir.CONFIG, record_yaml(cfg))
+    rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
+    if resumed:
+        rundir.truncate_metrics(run_dir, ckpt.step if ckpt else 0)
 
 
 @dataclass
