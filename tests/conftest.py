@@ -41,6 +41,18 @@ LLAMA_VARIANTS = {
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
 os.environ.update(OFFLINE_ENV)
 
+# Two bf16 computations of one value that round in different places (the LM head chunked against
+# full, compiled against eager) agree to bf16's resolution on any CPU, not to 1e-5: oneDNN's AMX,
+# AVX512-BF16 and AVX2 kernels sum the same products in other orders (AMX differently at each
+# chunk size). bf16 keeps 8 significant bits, so a result lies within 2^-8 of its exact value and
+# two results may be one ulp, 2^-7, apart (relative). The loss is one such rounding deep (the
+# head's logits; fp32 from there); a gradient rounds again over inputs each an ulp apart: two ulps
+# (measured between kernel families, the tiny LLaMA's: 1.01 ulps). A bug's difference is larger: a
+# chunk dropped or weighted as a chunk mean moves the gradients 0.24 or more, a 1.01 scale the loss
+# 0.01; subtler ones are the fp32 checks' (1e-5) to catch.
+BF16_LOSS_REL = 2**-7
+BF16_GRAD_REL = 2**-6
+
 
 @pytest.fixture
 def group(tmp_path):

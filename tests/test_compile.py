@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import run_harness, tiny_model_cfg
+from conftest import BF16_GRAD_REL, BF16_LOSS_REL, run_harness, tiny_model_cfg
 
 from sdp import dist
 from sdp.metrics.comm import CommCounter
@@ -83,8 +83,9 @@ def test_compiled_training_equals_eager_under_fsdp_and_bf16(compiled, case):
     # bf16), and bf16 autocast under DDP and SDP (C = 0.5).
     res = compiled[f"llama-{case}"]
     assert res["tensors"] > 1
-    tolerance = 1e-5 if case == "fsdp" else 2**-7  # bf16: its own resolution
-    assert res["loss_rel"] <= tolerance and res["grad_rel"] <= tolerance
+    # bf16: its resolution, whatever the CPU's kernels (tests/conftest.py).
+    loss_tol, grad_tol = (1e-5, 1e-5) if case == "fsdp" else (BF16_LOSS_REL, BF16_GRAD_REL)
+    assert res["loss_rel"] <= loss_tol and res["grad_rel"] <= grad_tol
 
 
 def test_graph_breaks_only_under_backward_masking():

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_model_cfg
+from conftest import BF16_GRAD_REL, BF16_LOSS_REL, tiny_model_cfg
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -64,16 +64,16 @@ def test_full_loss_in_the_model_is_the_trainer_loss_of_its_logits_bit_for_bit():
 
 @pytest.mark.parametrize("chunk", [32, 100])
 def test_chunked_loss_in_bf16(chunk):
-    """The loss and every gradient below the LM head equal full's within 1e-5 (they are the same
-    bf16 products row by row). The head's weight gradient sums over tokens: full rounds that sum
-    to bf16 once, chunked once per chunk, so the two differ at bf16's resolution (2^-8) and not
-    1e-5; both stay as close to the fp32 gradient (within 1.5x of full's error)."""
+    """The loss and every gradient equal full's to bf16's resolution (tests/conftest.py), not 1e-5:
+    below the LM head they are the same bf16 products row by row, but a CPU's kernels may sum them
+    in another order at each chunk size (oneDNN's AMX does). The head's weight gradient sums over
+    tokens: full rounds that sum to bf16 once, chunked once per chunk, on any kernel; both stay as
+    close to the fp32 gradient (within 1.5x of full's error)."""
     loss_full, grads_full = _step("full", dtype=torch.bfloat16)
     loss, grads = _step("chunked", chunk, dtype=torch.bfloat16)
-    assert abs(loss - loss_full) <= 1e-5 * loss_full
+    assert abs(loss - loss_full) <= BF16_LOSS_REL * loss_full
     for name in grads:
-        if name != "lm_head.weight":
-            assert _rel(grads[name], grads_full[name]) <= 1e-5, name
+        assert _rel(grads[name], grads_full[name]) <= BF16_GRAD_REL, name
     _, fp32 = _step("full")
     exact = fp32["lm_head.weight"]
 

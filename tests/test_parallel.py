@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import estimator_config, launch, load_model_pt, read_run, run_harness
+from conftest import BF16_GRAD_REL, BF16_LOSS_REL, estimator_config, launch, load_model_pt, read_run, run_harness
 
 from sdp.errors import ConfigError
 from sdp.models import build_model
@@ -251,10 +251,11 @@ def test_bad_parallelism_is_one_clear_error(overrides, key, fragment):
 def test_chunked_loss_equals_full_under_fsdp(stacking, dtype):
     # K = 2, one step, 24 of each rank's 64 tokens a chunk: the root's LM head runs once per chunk
     # in the forward and again in the backward, on its gathered weight (bf16 under bf16's policy).
+    # bf16: its resolution, whatever the CPU's kernels (tests/conftest.py).
     res = stacking["llama"]["fsdp_loss"][dtype]
     assert res["tensors"] > 1
-    assert res["loss_rel"] <= 1e-5 and res["grad_rel"] <= 1e-5
-    assert res["head_grad_rel"] <= (1e-5 if dtype == "fp32" else 2**-7)
+    loss_tol, grad_tol = (1e-5, 1e-5) if dtype == "fp32" else (BF16_LOSS_REL, BF16_GRAD_REL)
+    assert res["loss_rel"] <= loss_tol and res["grad_rel"] <= grad_tol and res["head_grad_rel"] <= grad_tol
 
 
 @pytest.mark.dist
