@@ -35,7 +35,8 @@ from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer, count_flops, measure_peak
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 
 GIB = 2**30
 BASE = ["dataset=fineweb", "dataset.seq_len=1024", "trainer.global_batch_size=64"]

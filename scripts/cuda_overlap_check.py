@@ -36,7 +36,8 @@ from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 from sdp.rundir import MODEL, read_summary
 
 VARIANTS = {

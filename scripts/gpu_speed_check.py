@@ -47,7 +47,8 @@ from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
 from sdp.run.nonfinite import NonFiniteGuard, skips_on_device
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 from sdp.rundir.figures import mfu_entries
 
 GIB = 2**30

@@ -30,7 +30,8 @@ from sdp.optim import OptimConfig, build_optimizer
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
-from sdp.run.trainer import TrainerConfig, forward_loss, train_step
+from sdp.run.trainer import forward_loss, train_step
+from sdp.run.trainer_config import TrainerConfig
 from sdp.subnet import MaskingConfig
 from sdp.subnet.capacity import listed
 from sdp.subnet.resample import gather_state

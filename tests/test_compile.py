@@ -19,7 +19,8 @@ from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
-from sdp.run.trainer import forward_loss, micro_batch_size, train_step
+from sdp.run.trainer import forward_loss, train_step
+from sdp.run.trainer_config import micro_batch_size
 from sdp.subnet import MaskingConfig
 from sdp.subnet.strategy import SDPStrategy
 

@@ -14,7 +14,7 @@ from sdp.models import LlamaConfig
 from sdp.optim import OptimConfig
 from sdp.parallel import ParallelConfig
 from sdp.run.config import CONF_DIR, typed_config
-from sdp.run.trainer import TrainerConfig
+from sdp.run.trainer_config import TrainerConfig
 from sdp.subnet import MaskingConfig
 
 SCHEMAS = {"trainer": TrainerConfig, "parallelism": ParallelConfig, "masking": MaskingConfig, "optim": OptimConfig}

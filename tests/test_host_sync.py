@@ -19,7 +19,8 @@ from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer
 from sdp.run.nonfinite import NonFiniteGuard
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 
 CPU = torch.device("cpu")
 BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS

@@ -16,7 +16,8 @@ from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer, count_flops
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 from sdp.rundir.figures import mfu_entries
 
 CPU = torch.device("cpu")

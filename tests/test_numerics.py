@@ -13,7 +13,8 @@ from sdp.optim import OptimConfig, build_optimizer
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.run.measure import PhaseTimer
 from sdp.run.nonfinite import NonFiniteGuard, NonFiniteStep, skips_on_device
-from sdp.run.trainer import TrainerConfig, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import TrainerConfig
 
 CPU = torch.device("cpu")
 

@@ -31,6 +31,7 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads():
             continue
         got = compose(s)
         assert got == expected, s.label
+        assert got.record == expected.record, s.label  # what config.yaml and W&B would show
         checked += 1
     assert (checked, refused) == (40, 14)
     # The protocol scales the steps from the budget, once (SDP at C = 0.5: twice DDP's steps).

@@ -35,10 +35,14 @@ def test_a_summary_round_trips_with_the_strategy_entries_beside_the_fields(tmp_p
     assert [p.name for p in tmp_path.iterdir()] == [SUMMARY]  # no temporary file left
 
 
-def test_update_sets_fields_and_keeps_the_rest_for_the_strategy():
+def test_update_sets_fields_and_refuses_a_key_it_does_not_know():
     summary = Summary(**HEAD)
-    summary.update({"eval_loss": 1.5, "fsdp_degree": 4})
-    assert summary.eval_loss == 1.5 and summary.strategy == {"fsdp_degree": 4}
+    summary.update({"eval_loss": 1.5, "steps": 3})
+    assert (summary.eval_loss, summary.steps, summary.strategy) == (1.5, 3, {})
+    for key in ("fsdp_degree", "strategy"):  # fsdp_degree went silently into summary.json
+        with pytest.raises(KeyError, match=f"summary.json has no field '{key}'"):
+            summary.update({"eval_acc": 0.5, key: 4})
+    assert summary.eval_acc is None and summary.strategy == {}  # nothing set on a refusal
 
 
 def test_unreadable_summaries_read_as_none_but_a_completed_status_still_counts(tmp_path):

@@ -189,3 +189,14 @@ def test_a_run_builds_its_plan_once_and_hands_it_to_the_strategy(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
         assert json.loads((tmp_path / f"plans_{rank}.json").read_text()) == {"built": 1, "handed": [True]}
+
+
+def test_the_capacity_list_is_checked_once_per_plan_and_not_per_mask_epoch(monkeypatch):
+    import sdp.subnet.plan
+
+    calls = []
+    monkeypatch.setattr(sdp.subnet.plan, "check_length", lambda capacity, **kw: calls.append(kw))
+    masking = MaskingConfig(name="forward", coverage=0.75, capacity=[1.0, 0.5], resample_every=2)
+    plan = plan_of("resnet", masking, workers=2)
+    plan.mask_at(1), plan.mask_at(2)
+    assert calls == [{"workers": 2, "fsdp_degree": 1}]  # it ran twice per build, and once per new epoch

@@ -45,7 +45,8 @@ from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
-from sdp.run.trainer import micro_batch_size, train_step
+from sdp.run.trainer import train_step
+from sdp.run.trainer_config import micro_batch_size
 from sdp.subnet import is_sdp, sdp_workers
 from sdp.subnet.plan import plan_mask, planned_comm_groups
 

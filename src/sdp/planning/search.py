@@ -28,7 +28,7 @@ from sdp.planning.fit import GIB, Fit, fit, short_run
 from sdp.planning.space import CHECKPOINTING, Structure
 from sdp.planning.step_time import Cluster
 from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
-from sdp.subnet import capacity_coverage
+from sdp.subnet import capacity_replaces_coverage
 
 
 @dataclass
@@ -59,20 +59,32 @@ class Composer:
         """The structure's config, checked; ConfigError as the entrypoint would raise it."""
         cfg = copy.deepcopy(self.base(s.masking, s.parallelism))
         plain = self.base("none", s.parallelism)  # the step budget before the protocol scales it
-        cfg.trainer.max_steps, cfg.optim.warmup_steps = plain.trainer.max_steps, plain.optim.warmup_steps
+        for key in ("trainer.max_steps", "optim.warmup_steps"):
+            _set(cfg, key, _get(plain, key))
         if s.masking != "none":
-            cfg.masking.granularity = s.granularity
-            cfg.masking.capacity = None if s.capacity is None else list(s.capacity)
-            cfg.masking.coverage = s.coverage if s.capacity is None else capacity_coverage(cfg.masking)
-        par = cfg.parallelism
-        par.fsdp_degree, par.activation_checkpointing, par.mixed_precision = (
-            s.fsdp_degree,
-            s.checkpointing,
-            s.precision,
-        )
+            _set(cfg, "masking.granularity", s.granularity)
+            _set(cfg, "masking.capacity", None if s.capacity is None else list(s.capacity))
+            _set(cfg, "masking.coverage", s.coverage)
+            capacity_replaces_coverage(cfg.masking)  # the capacities' mean, where they are given
+            _set(cfg, "masking.coverage", cfg.masking.coverage)
+        _set(cfg, "parallelism.fsdp_degree", s.fsdp_degree)
+        _set(cfg, "parallelism.activation_checkpointing", s.checkpointing)
+        _set(cfg, "parallelism.mixed_precision", s.precision)
         apply_protocol(cfg)
         validate(cfg, world_size=self.world, offline=True, check_data=False)
         return cfg
+
+
+def _get(cfg: RunConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _set(cfg: RunConfig, key: str, value) -> None:
+    """A key of the typed config and of its record (what config.yaml and W&B show) alike."""
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+    cfg.record[section][name] = value
 
 
 def family_of(s: Structure) -> tuple:

@@ -30,6 +30,7 @@ schedule and the mask epoch follow from the step. The config must be the same
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ import torch
 from sdp import dist
 from sdp.dist import local
 from sdp.parallel import PortableState, Strategy
+from sdp.run.trainer_config import TrainerConfig
 from sdp.rundir import CHECKPOINTS, write_error, write_json_atomic
 
 # meta.json's "format": 2 is the portable checkpoint; 1 (no "format") held each rank's pieces.
@@ -144,6 +146,10 @@ class CheckpointTarget:
     config: dict
     keep: int
     extra_meta: dict | None = None
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig, *, run_dir: Path, config: dict, extra_meta: dict) -> CheckpointTarget:
+        return cls(run_dir, config=config, keep=cfg.keep_checkpoints, extra_meta=extra_meta)
 
 
 @dataclass(frozen=True)
@@ -331,6 +337,15 @@ class Checkpointer:
         self.last = start_step or None
         self.written_ok = True  # whether the last attempt was written
         self.written, self.failures, self.seconds = 0, 0, 0.0
+
+    @classmethod
+    def from_config(
+        cls, cfg: TrainerConfig, *, target: CheckpointTarget, state: SavedState, start_step: int
+    ) -> Checkpointer:
+        """trainer.checkpoint_every of trainer.max_steps, each checkpoint of `state` written to
+        `target` (which keeps the newest trainer.keep_checkpoints: `CheckpointTarget.from_config`)."""
+        save = functools.partial(write_checkpoint, target, state)
+        return cls(save, every=cfg.checkpoint_every, max_steps=cfg.max_steps, start_step=start_step)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step < self.max_steps

@@ -33,8 +33,15 @@ from sdp.optim import OptimConfig, validate_optim
 from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.paths import CONF_DIR
 from sdp.redact import redact
-from sdp.run.trainer import TrainerConfig, validate_trainer
-from sdp.subnet import MaskingConfig, capacity_coverage, is_sdp, sdp_workers, validate_masking, validate_sdp_x_fsdp
+from sdp.run.trainer_config import TrainerConfig, validate_trainer
+from sdp.subnet import (
+    MaskingConfig,
+    capacity_replaces_coverage,
+    is_sdp,
+    sdp_workers,
+    validate_masking,
+    validate_sdp_x_fsdp,
+)
 from sdp.subnet.plan import SubnetPlan, validate_plan
 
 GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
@@ -367,31 +374,11 @@ def typed_config(overrides: list[str]) -> RunConfig:
 
 
 def apply_capacity(cfg: RunConfig, overrides: list[str]) -> None:
-    """masking.capacity replaces masking.coverage, which becomes the capacities' mean (what the
-    run reports, the flop-matched protocol divides by, and the record holds); a coverage given
-    on the command line that says otherwise is refused."""
-    masking = cfg.masking
-    numbers = all(isinstance(c, int | float) and not isinstance(c, bool) for c in masking.capacity or [])
-    if not masking.capacity or not numbers or not all(0 < c <= 1 for c in masking.capacity):
-        return  # validate_masking refuses it
-    mean = capacity_coverage(masking)
+    """masking.capacity replaces masking.coverage (`sdp.subnet.capacity_replaces_coverage`), in
+    the record too."""
     given = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == "masking.coverage"]
-    if given and _as_float(given[-1]) != mean:
-        raise ConfigError(
-            "masking.coverage",
-            given[-1],
-            f"contradicts masking.capacity={masking.capacity}, whose mean {mean:g} is the run's coverage; "
-            "give one of the two",
-        )
-    masking.coverage = mean
-    cfg.record["masking"]["coverage"] = mean
-
-
-def _as_float(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
+    capacity_replaces_coverage(cfg.masking, given_coverage=given[-1] if given else None)
+    cfg.record["masking"]["coverage"] = cfg.masking.coverage
 
 
 def apply_protocol(cfg: RunConfig) -> None:

@@ -15,6 +15,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
 from sdp.parallel import Strategy
+from sdp.run.trainer_config import TrainerConfig
 from sdp.rundir import figures
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer")
@@ -182,6 +183,33 @@ class Meter:
         self.first_step = start_step + 1
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainerConfig,
+        *,
+        strategy: Strategy,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        comm: CommCounter,
+        start_step: int,
+        seq_len: int,
+        measured: dict | None,
+    ) -> Meter:
+        """The loop's meter: trainer.profile_step of trainer.max_steps, each step's global batch of
+        samples (or of `seq_len` tokens each) the unit of its throughput."""
+        return cls(
+            strategy,
+            optimizer,
+            device=device,
+            comm=comm,
+            profile_step=cfg.profile_step,
+            max_steps=cfg.max_steps,
+            start_step=start_step,
+            units_per_step=cfg.global_batch_size * seq_len,
+            measured=measured,
+        )
 
     def timed(self, step: int) -> bool:
         """Left out of the timings: the profiled steps (the counters slow them down), and a

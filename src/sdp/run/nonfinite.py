@@ -20,7 +20,6 @@ Either way the diagnostic names every rank's loss and its non-finite gradient te
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -29,15 +28,8 @@ from sdp import dist
 from sdp.dist import local
 from sdp.errors import RunFailed
 from sdp.metrics.logger import RunLogger
+from sdp.run.trainer_config import TrainerConfig
 from sdp.rundir import nonfinite_record, write_json_atomic
-
-
-class OnNonFinite(StrEnum):
-    """trainer.on_nonfinite: stop the run, skip the step, or off (no check)."""
-
-    stop = "stop"
-    skip = "skip"
-    off = "off"
 
 
 class NonFiniteStep(RuntimeError):
@@ -237,6 +229,30 @@ class NonFinitePolicy:
         self.guard = None
         if policy != "off" and skips_on_device(optimizer):
             self.guard = NonFiniteGuard(policy, max_skips=max_skips, device=device, first_step=start_step + 1)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainerConfig,
+        *,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        start_step: int,
+        world: dist.World,
+        logger: RunLogger,
+        run_dir: Path | None,
+    ) -> NonFinitePolicy:
+        """trainer.on_nonfinite and trainer.max_nonfinite_skips for this launch of the run."""
+        return cls(
+            cfg.on_nonfinite,
+            max_skips=cfg.max_nonfinite_skips,
+            optimizer=optimizer,
+            device=device,
+            start_step=start_step,
+            world=world,
+            logger=logger,
+            run_dir=run_dir,
+        )
 
     def applied(self) -> torch.Tensor:
         """1 when the last step's update was applied, 0 when it was skipped (on the device)."""

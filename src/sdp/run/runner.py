@@ -5,7 +5,6 @@ a sweep's Slurm tasks call `main`."""
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from sdp.optim import build_optimizer, build_scheduler
 from sdp.parallel import Strategy
 from sdp.redact import redact_text
 from sdp.run.build import build_strategy
-from sdp.run.checkpoint import Checkpoint, Checkpointer, CheckpointTarget, SavedState, write_checkpoint
+from sdp.run.checkpoint import Checkpoint, Checkpointer, CheckpointTarget, SavedState
 from sdp.run.config import RunConfig, record_yaml
 from sdp.run.measure import Meter
 from sdp.run.nonfinite import NonFinitePolicy
@@ -30,7 +29,8 @@ from sdp.run.outcome import export_model, peer_lost, print_result, resume_hint, 
 from sdp.run.preflight import Checked, preflight
 from sdp.run.resume import Resume, choose_checkpoint, config_edits, load_checkpoint
 from sdp.run.signals import StopSignals
-from sdp.run.trainer import Evaluation, micro_batch_size, train
+from sdp.run.trainer import Evaluation, Loop, train
+from sdp.run.trainer_config import micro_batch_size
 from sdp.rundir import Summary, variant_label
 
 
@@ -112,16 +112,7 @@ def run(checked: Checked, world: dist.World) -> Summary:
         run_dir = _choose_run_dir(cfg, world=world)
         summary.run_dir = str(run_dir)  # from here on a failure is reported in the run dir
         _open_run_dir(cfg, run_dir, world=world, resumed=resume is not None, ckpt=ckpt)
-        logger = RunLogger(
-            cfg.logger,
-            run_dir=run_dir,
-            metrics=run_dir / rundir.METRICS,
-            run_name=run_name(cfg),
-            active=world.is_main,
-            config={**pivot_keys(cfg), **cfg.record},
-            resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
-            job_type=pivot_keys(cfg)["variant"],
-        )
+        logger = _open_logger(cfg, run_dir, world=world, ckpt=ckpt)
         built = _build(cfg, world=world, device=device, ckpt=ckpt, plan=checked.plan)
         summary.resumes = resume_history(ckpt, world=world)
         summary.n_params = built.strategy.full_params
@@ -173,6 +164,21 @@ def run(checked: Checked, world: dist.World) -> Summary:
             logger.summary(summary.to_json())
             logger.close(exit_code=0 if summary.status == "completed" else 1)
         dist.destroy_process_group()
+
+
+def _open_logger(cfg: RunConfig, run_dir: Path, *, world: dist.World, ckpt: Checkpoint | None) -> RunLogger:
+    """The run's logger (logger.*): metrics.jsonl on rank 0, and W&B, which a resume continues
+    (its run id is in the checkpoint), keyed by the tables' pivots."""
+    return RunLogger(
+        cfg.logger,
+        run_dir=run_dir,
+        metrics=run_dir / rundir.METRICS,
+        run_name=run_name(cfg),
+        active=world.is_main,
+        config={**pivot_keys(cfg), **cfg.record},
+        resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
+        job_type=pivot_keys(cfg)["variant"],
+    )
 
 
 def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> Summary:
@@ -267,81 +273,58 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
 
 
 def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt, signals) -> None:
-    """The training loop with its components (meter, NaN/Inf policy, checkpointer, evaluation),
+    """The training loop with its parts, each made from the typed config by its own constructor,
     then the end-of-run figures, into `summary`."""
     start_step, tcfg = ckpt.step if ckpt else 0, cfg.trainer
-    strategy, optimizer, scheduler = built.strategy, built.optimizer, built.scheduler
+    seq_len = cfg.dataset.seq_len if built.data.kind == "text" else 1
     evals_done = start_step // tcfg.eval_every if tcfg.eval_every else 0
     calibration = calibration_stream(
         cfg,
-        strategy,
+        built.strategy,
         world=world,
         batch_size=built.micro,
         start_batch=evals_done * cfg.masking.bn_recalibration_batches,
     )
-    save = functools.partial(
-        write_checkpoint,
-        CheckpointTarget(
-            run_dir,
-            config=cfg.record,
-            keep=tcfg.keep_checkpoints,
-            extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes},
-        ),
-        SavedState(strategy, optimizer, scheduler, world=world, device=device),
+    target = CheckpointTarget.from_config(
+        tcfg, run_dir=run_dir, config=cfg.record, extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes}
     )
-    seq_len = cfg.dataset.seq_len if built.data.kind == "text" else 1
-    meter = Meter(
-        strategy,
-        optimizer,
-        device=device,
-        comm=built.comm,
-        profile_step=tcfg.profile_step,
-        max_steps=tcfg.max_steps,
-        start_step=start_step,
-        units_per_step=tcfg.global_batch_size * seq_len,
-        measured=built.measured,
-    )
-    loop = train(
+    state = SavedState(built.strategy, built.optimizer, built.scheduler, world=world, device=device)
+    strategy, optimizer = built.strategy, built.optimizer
+    loop = Loop(
         strategy=strategy,
         data=built.data,
         optimizer=optimizer,
-        scheduler=scheduler,
-        cfg=tcfg,
-        world=world,
-        logger=logger,
-        meter=meter,
-        nonfinite=NonFinitePolicy(
-            tcfg.on_nonfinite,
-            max_skips=tcfg.max_nonfinite_skips,
+        scheduler=built.scheduler,
+        meter=Meter.from_config(
+            tcfg,
+            strategy=strategy,
             optimizer=optimizer,
             device=device,
+            comm=built.comm,
             start_step=start_step,
-            world=world,
-            logger=logger,
-            run_dir=run_dir,
+            seq_len=seq_len,
+            measured=built.measured,
         ),
-        checkpointer=Checkpointer(
-            save,
-            every=tcfg.checkpoint_every,
-            max_steps=tcfg.max_steps,
-            start_step=start_step,
+        nonfinite=NonFinitePolicy.from_config(
+            tcfg, optimizer=optimizer, device=device, start_step=start_step, world=world, logger=logger, run_dir=run_dir
         ),
-        evaluation=Evaluation(
-            built.data,
+        checkpointer=Checkpointer.from_config(tcfg, target=target, state=state, start_step=start_step),
+        evaluation=Evaluation.from_config(
+            tcfg,
+            data=built.data,
             device=device,
             world=world,
+            run_dir=run_dir,
             calibration=calibration,
             calibration_batches=cfg.masking.bn_recalibration_batches,
-            model_path=run_dir / rundir.MODEL if tcfg.save_model else None,
         ),
-        start_step=start_step,
-        stop_requested=signals,
+        logger=logger,
     )
-    summary.update(loop)
+    summary.update(train(loop, tcfg, world=world, start_step=start_step, stop_requested=signals))
     if summary.stopped_at:
         summary.stopped_by = signals.reason or "trainer.stop_at_step"
     summary.update(
-        meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
+        loop.meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
     )
 
 

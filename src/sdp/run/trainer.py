@@ -7,7 +7,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -18,114 +17,14 @@ from tqdm import tqdm
 from sdp import dist
 from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
-from sdp.errors import ConfigError, Interrupted, WriteFailed
+from sdp.errors import Interrupted, WriteFailed
 from sdp.metrics.logger import RunLogger
 from sdp.parallel import Strategy
 from sdp.run.checkpoint import Checkpointer
 from sdp.run.measure import Meter, PhaseTimer
-from sdp.run.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, OnNonFinite, check_finite
-from sdp.rundir import write_error
-
-
-class Protocol(StrEnum):
-    """trainer.protocol: same_iteration, every variant takes max_steps steps; flop_matched (the
-    paper's), an SDP run takes max_steps / coverage steps (and warmup)."""
-
-    same_iteration = "same_iteration"
-    flop_matched = "flop_matched"
-
-
-class Device(StrEnum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Export(StrEnum):
-    """trainer.export: hf, RUN_DIR/hf/ from model.pt in the family's standard format (a
-    transformers LlamaForCausalLM; safetensors and builder.json for vision); none."""
-
-    hf = "hf"
-    none = "none"
-
-
-@dataclass
-class TrainerConfig:
-    max_steps: int = 1000
-    global_batch_size: int = 128  # summed over ranks and accumulation steps
-    grad_accum_steps: int = 1
-    eval_every: int = 200  # 0: evaluate only at the end
-    eval_batch_size: int | None = None  # None: the per-rank train micro-batch
-    log_every: int = 10
-    grad_clip: float = 1.0  # 0: no clipping
-    device: Device = Device.auto
-    progress: bool = True
-    # Write the final evaluated model (assembled under SDP, with its evaluation
-    # scaling and BatchNorm statistics) as model.pt, a state dict of the plain model.
-    save_model: bool = True
-    # hf: with save_model, also RUN_DIR/hf/ (sdp.rundir.hf): from_pretrained-loadable for
-    # LLaMA, safetensors and builder.json for vision; none: model.pt only.
-    export: Export = Export.hf
-    # The step run under the live-tensor memory tracker (FLOPs are counted on the
-    # step before it); both are left out of the timings; 0: none. Step 3 is steady
-    # state: the optimizer state exists (step 1) and DDP has re-bucketed (step 2).
-    profile_step: int = 3
-    # Resumable runs: a checkpoint every N steps in RUN_DIR/checkpoints (0: none), keeping
-    # the newest `keep_checkpoints`; the same command with the same run_dir resumes.
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2  # >= 2: a damaged newest checkpoint falls back to the one before
-    # End this launch after this step, with a checkpoint, as a preemption would (0: never).
-    stop_at_step: int = 0
-    # same_iteration: every variant takes max_steps steps. flop_matched (the paper's): an SDP
-    # run takes max_steps / coverage steps (and warmup), max_steps being the DDP budget.
-    protocol: Protocol = Protocol.same_iteration
-    # A step whose loss or gradient is NaN/Inf on any rank (checked after the gradient sync,
-    # before the update; see sdp.run.nonfinite): stop (write nonfinite_step_N.json and fail,
-    # keeping the last good checkpoint), skip (drop the update; stop after max_nonfinite_skips
-    # such steps) or off (no check: saves a 2-element all-reduce per step).
-    on_nonfinite: OnNonFinite = OnNonFinite.stop
-    max_nonfinite_skips: int = 10
-
-
-def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
-    """Check the loop's settings, including that the global batch splits evenly."""
-    for key in ("max_steps", "global_batch_size", "grad_accum_steps", "log_every"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("checkpoint_every", "stop_at_step"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"trainer.{key}", getattr(cfg, key), "must be >= 0 (0: off)")
-    if cfg.max_nonfinite_skips < 0:
-        raise ConfigError("trainer.max_nonfinite_skips", cfg.max_nonfinite_skips, "must be >= 0")
-    if cfg.keep_checkpoints < 1:
-        raise ConfigError("trainer.keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
-    if cfg.profile_step < 0:
-        raise ConfigError("trainer.profile_step", cfg.profile_step, "must be >= 0 (0: no memory/FLOP probe)")
-    if cfg.eval_every < 0:
-        raise ConfigError("trainer.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
-    if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
-        raise ConfigError("trainer.eval_batch_size", cfg.eval_batch_size, "must be >= 1 or null")
-    if cfg.grad_clip < 0:
-        raise ConfigError("trainer.grad_clip", cfg.grad_clip, "must be >= 0 (0: no clipping)")
-    if cfg.export == "hf" and not cfg.save_model:
-        raise ConfigError(
-            "trainer.export",
-            cfg.export,
-            "is made from model.pt: needs trainer.save_model=true (or trainer.export=none)",
-        )
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device", cfg.device, "CUDA is not available here; allowed: auto, cpu")
-    per_step = world_size * cfg.grad_accum_steps
-    if cfg.global_batch_size % per_step:
-        raise ConfigError(
-            "trainer.global_batch_size",
-            cfg.global_batch_size,
-            f"must be divisible by world_size x grad_accum_steps = {world_size} x {cfg.grad_accum_steps} = {per_step}",
-        )
-
-
-def micro_batch_size(cfg: TrainerConfig, *, world_size: int) -> int:
-    return cfg.global_batch_size // (world_size * cfg.grad_accum_steps)
+from sdp.run.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep, check_finite
+from sdp.run.trainer_config import TrainerConfig, micro_batch_size
+from sdp.rundir import MODEL, write_error
 
 
 def forward_loss(model: nn.Module, batch: dict, *, in_model: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -291,6 +190,22 @@ class Evaluation:
     calibration_batches: int = 0
     model_path: Path | None = None
 
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainerConfig,
+        *,
+        data: DataBundle,
+        device: torch.device,
+        world: dist.World,
+        run_dir: Path,
+        calibration: Iterator[dict] | None,
+        calibration_batches: int,
+    ) -> Evaluation:
+        """The final evaluation writes RUN_DIR/model.pt with trainer.save_model."""
+        model_path = run_dir / MODEL if cfg.save_model else None
+        return cls(data, device, world, calibration, calibration_batches, model_path)
+
     def __call__(self, strategy: Strategy, *, final: bool) -> dict:
         return evaluate(
             strategy,
@@ -303,86 +218,116 @@ class Evaluation:
         )
 
 
+@dataclass
+class Loop:
+    """What the training loop drives, each part made from the typed config by its own
+    constructor (`sdp.run.runner` wires them): the model under its strategy, the data, the
+    optimizer and its lr schedule, and the parts that keep their own timing: the meter, the
+    NaN/Inf policy, the checkpointer, the evaluations; the logger."""
+
+    strategy: Strategy
+    data: DataBundle
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    meter: Meter
+    nonfinite: NonFinitePolicy
+    checkpointer: Checkpointer
+    evaluation: Evaluation
+    logger: RunLogger
+
+
 def train(
-    *,
-    strategy: Strategy,
-    data: DataBundle,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loop: Loop,
     cfg: TrainerConfig,
+    *,
     world: dist.World,
-    logger: RunLogger,
-    meter: Meter,
-    nonfinite: NonFinitePolicy,
-    checkpointer: Checkpointer,
-    evaluation: Evaluation,
     start_step: int = 0,
     stop_requested: Callable[[], bool] | None = None,
 ) -> dict:
     """Run optimizer steps start_step + 1 ... cfg.max_steps; returns the loop's entries of
-    summary.json. Each component keeps its own timing: the meter what it measures, the NaN/Inf
-    policy its checks, the checkpointer its interval. A run stops early, with a checkpoint, at
-    cfg.stop_at_step or when `stop_requested()` (collective, read at log steps) says so."""
-    micro, device = micro_batch_size(cfg, world_size=world.world_size), meter.device
+    summary.json. The host waits for the device only at log, eval and checkpoint steps. A run
+    stops early, with a checkpoint, at cfg.stop_at_step or when `stop_requested()` (collective,
+    read at log steps) says so."""
     bar = progress_bar(cfg, world)
-    strategy.model.train()
-    batches = to_device(data.train, device)
-
-    def run_step() -> torch.Tensor:
-        return train_step(
-            strategy, optimizer, batches, cfg=cfg, micro=micro, device=device, timer=meter.timer, guard=nonfinite.guard
-        )
-
+    loop.strategy.model.train()
+    run_step = _step_runner(loop, cfg, world=world)
     stopped_at, evals, done = None, {}, start_step
     try:
         bar.update(start_step)
         for step in range(start_step + 1, cfg.max_steps + 1):
             done = step - 1
-            try:
-                meter.add_loss(meter.run(step, run_step), nonfinite.applied())
-            except NonFiniteStep as bad:  # raised on every rank before the update: the model is the last good one
-                nonfinite.raised(bad, step=step, last_checkpoint=checkpointer.last)
-                optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]  # the lr this step used
-            scheduler.step()
-            resampled = step < cfg.max_steps and strategy.resample(step, optimizer)
-            if resampled:
-                strategy.model.train()
-            meter.end(step, resampled=resampled)
+            lr = _optimizer_step(loop, run_step, step=step, max_steps=cfg.max_steps)
             bar.update(1)
             log_step = step % cfg.log_every == 0 or step == cfg.max_steps
             eval_step = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
             stopping = step < cfg.max_steps and (
                 step == cfg.stop_at_step or (log_step and stop_requested is not None and stop_requested())
             )
-            if not (log_step or eval_step or checkpointer.due(step) or stopping):
+            if not (log_step or eval_step or loop.checkpointer.due(step) or stopping):
                 continue  # no host sync in this step
-            meter.sync()  # the host waits for the device here
-            nonfinite.report(found_at=step, last_checkpoint=checkpointer.last)
+            loop.meter.sync()  # the host waits for the device here
+            loop.nonfinite.report(found_at=step, last_checkpoint=loop.checkpointer.last)
             if log_step or stopping:
-                _log_train(meter.window(step, lr), logger=logger, bar=bar)
+                _log_train(loop.meter.window(step, lr), logger=loop.logger, bar=bar)
             if eval_step:
-                evals = evaluation(strategy, final=step == cfg.max_steps)
-                _log_eval(step, evals, logger=logger, bar=bar, world=world)
-            if checkpointer.due(step) or stopping:
-                checkpointer.save(step, meter.measured())
+                evals = loop.evaluation(loop.strategy, final=step == cfg.max_steps)
+                _log_eval(step, evals, logger=loop.logger, bar=bar, world=world)
+            if loop.checkpointer.due(step) or stopping:
+                loop.checkpointer.save(step, loop.meter.measured())
             if stopping:
                 stopped_at = step
                 break
     except KeyboardInterrupt:  # a second Ctrl-C: the steps done so far, and where a resume starts
-        raise Interrupted(done, checkpointer.last) from None
+        raise Interrupted(done, loop.checkpointer.last) from None
     finally:  # the bar ends its line before anything else is printed
         bar.close()
     return {
         "steps": stopped_at or cfg.max_steps,
         "stopped_at": stopped_at,
-        "resumes_from": checkpointer.last if stopped_at else None,
+        "resumes_from": loop.checkpointer.last if stopped_at else None,
         "resumed_from": start_step or None,
-        "train_loss": meter.train_loss,
+        "train_loss": loop.meter.train_loss,
         **evals,
-        **nonfinite.figures(),
-        **checkpointer.figures(),
+        **loop.nonfinite.figures(),
+        **loop.checkpointer.figures(),
     }
+
+
+def _step_runner(loop: Loop, cfg: TrainerConfig, *, world: dist.World) -> Callable[[], torch.Tensor]:
+    """One optimizer step of `train_step` over the loop's batches, on the meter's device."""
+    micro, device = micro_batch_size(cfg, world_size=world.world_size), loop.meter.device
+    batches = to_device(loop.data.train, device)
+
+    def run_step() -> torch.Tensor:
+        return train_step(
+            loop.strategy,
+            loop.optimizer,
+            batches,
+            cfg=cfg,
+            micro=micro,
+            device=device,
+            timer=loop.meter.timer,
+            guard=loop.nonfinite.guard,
+        )
+
+    return run_step
+
+
+def _optimizer_step(loop: Loop, run_step: Callable[[], torch.Tensor], *, step: int, max_steps: int) -> float:
+    """Step `step`, measured; a NaN/Inf step handled by the policy (the model stays the last good
+    one); the schedule advanced; a new mask where one is due. Returns the lr the step used."""
+    try:
+        loop.meter.add_loss(loop.meter.run(step, run_step), loop.nonfinite.applied())
+    except NonFiniteStep as bad:  # raised on every rank before the update: the model is the last good one
+        loop.nonfinite.raised(bad, step=step, last_checkpoint=loop.checkpointer.last)
+        loop.optimizer.zero_grad(set_to_none=True)
+    lr = loop.scheduler.get_last_lr()[0]  # the lr this step used
+    loop.scheduler.step()
+    resampled = step < max_steps and loop.strategy.resample(step, loop.optimizer)
+    if resampled:
+        loop.strategy.model.train()
+    loop.meter.end(step, resampled=resampled)
+    return lr
 
 
 def progress_bar(cfg: TrainerConfig, world: dist.World) -> tqdm:

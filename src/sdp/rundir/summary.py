@@ -119,14 +119,14 @@ class Summary:
     comm_wait_s: float | None = None
 
     def update(self, entries: dict) -> None:
-        """Set fields from `entries` (a component's part of the summary); keys that are not
-        fields go to `strategy`."""
-        names = _field_names()
+        """Set fields from `entries` (a component's part of the summary). A key that is no field
+        is refused (KeyError naming it): the fields are summary.json's contract, and only
+        `Strategy.describe()`'s entries go beside them (into `strategy`)."""
+        unknown = sorted(set(entries) - _field_names() | ({"strategy"} & set(entries)))
+        if unknown:
+            raise KeyError(f"summary.json has no field {unknown[0]!r}: add it to Summary, or to Strategy.describe()")
         for key, value in entries.items():
-            if key in names and key != "strategy":
-                setattr(self, key, value)
-            else:
-                self.strategy[key] = value
+            setattr(self, key, value)
 
     def to_json(self) -> dict:
         """The summary.json object: the fields, with `strategy`'s entries beside them."""

@@ -166,6 +166,33 @@ def coverage_key(cfg: MaskingConfig, worker: int | None = None) -> tuple[str, ob
     return f"masking.capacity[{worker}]", cfg.capacity[worker]
 
 
+def capacity_replaces_coverage(cfg: MaskingConfig, *, given_coverage: str | None = None) -> None:
+    """masking.capacity replaces masking.coverage, which becomes the capacities' mean (what the
+    run reports, the flop-matched protocol divides by, and the record holds); a coverage given
+    too (`given_coverage`, as typed) that says otherwise is refused. The run's config and the
+    planner's structures both go through here. A capacity list that is not numbers in (0, 1] is
+    left for validate_masking to refuse."""
+    capacity = cfg.capacity
+    numbers = all(isinstance(c, int | float) and not isinstance(c, bool) for c in capacity or [])
+    if not capacity or not numbers or not all(0 < c <= 1 for c in capacity):
+        return
+    mean = capacity_coverage(cfg)
+    if given_coverage is not None and _as_float(given_coverage) != mean:
+        raise ConfigError(
+            "masking.coverage",
+            given_coverage,
+            f"contradicts masking.capacity={capacity}, whose mean {mean:g} is the run's coverage; give one of the two",
+        )
+    cfg.coverage = mean
+
+
+def _as_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def capacity_coverage(cfg: MaskingConfig) -> float:
     """The run's coverage: the capacities' mean when masking.capacity is given, else masking.coverage."""
     if cfg.capacity is None:

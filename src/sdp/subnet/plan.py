@@ -28,8 +28,13 @@ from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
-def plan_mask(model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int) -> tuple[UnitSpec, Mask]:
-    """The unit spec and (epoch 0) mask of a plain model: a pure function of config and world size."""
+def plan_mask(
+    model: nn.Module, cfg: MaskingConfig, *, family: str, world_size: int, fsdp_degree: int = 1
+) -> tuple[UnitSpec, Mask]:
+    """The unit spec and (epoch 0) mask of a plain model: a pure function of config and world size
+    (K = `world_size` SDP workers; one capacity per worker, checked here once for every epoch)."""
+    if cfg.capacity is not None:
+        check_length(cfg.capacity, workers=world_size, fsdp_degree=fsdp_degree)
     spec = unit_spec(model, family=family, granularity=cfg.granularity)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     return spec, mask_of(spec, cfg, world_size=world_size, shapes=shapes)
@@ -39,9 +44,9 @@ def mask_of(
     spec: UnitSpec, cfg: MaskingConfig, *, world_size: int, shapes: Mapping[str, torch.Size], epoch: int = 0
 ) -> Mask:
     """The mask of mask epoch `epoch` (resampling draws a new one every masking.resample_every
-    steps); `shapes`, the plain model's parameters, weigh the blocks of a capacity list."""
+    steps); `shapes`, the plain model's parameters, weigh the blocks of a capacity list (of one
+    capacity per worker: `plan_mask` checks it)."""
     if cfg.capacity is not None:
-        check_length(cfg.capacity, workers=world_size)
         return capacity_mask(
             [g.num_units for g in spec.groups],
             capacity=cfg.capacity,
@@ -83,9 +88,7 @@ class SubnetPlan:
         cls, model: nn.Module, cfg: MaskingConfig, *, family: str, workers: int, fsdp_degree: int = 1
     ) -> SubnetPlan:
         """The plan of `model` (plain, on any device, the meta device included) for K = `workers`."""
-        if cfg.capacity is not None:
-            check_length(cfg.capacity, workers=workers, fsdp_degree=fsdp_degree)
-        spec, mask = plan_mask(model, cfg, family=family, world_size=workers)
+        spec, mask = plan_mask(model, cfg, family=family, world_size=workers, fsdp_degree=fsdp_degree)
         shapes = {n: p.shape for n, p in model.named_parameters()}
         paths = tuple(path for path, _ in blocks(model, family=family))
         return cls(cfg, family, workers, fsdp_degree, spec, mask, shapes, paths)
