@@ -59,7 +59,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m "not slow and not dist" --durations=5
 
-# Every case of the bad-input fuzz over every entrypoint (the suite runs a sample; about 2 min).
+# Every case of the bad-input fuzz over every entrypoint and every key of the typed config (the suite runs a sample; about 5 min).
 fuzz: setup
 	SDP_FUZZ=all $(PY) -m pytest -q -s tests/test_fuzz_entrypoints.py
 

@@ -9,11 +9,15 @@ a time limit. The default suite draws a sample of every (entrypoint, class) cell
 
 import collections
 import contextlib
+import dataclasses
+import enum
 import io
 import os
 import random
 import re
 import signal
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -108,6 +112,79 @@ CONTRADICTIONS = [
 ]
 
 
+# Every key of the typed config, drawn from its dataclasses (a new key is fuzzed without a line
+# here): each whole number gets the C-type limits and wrong types, each float values that are not
+# finite (1e309 reads as infinity) and wrong types, each bool, choice (enum) and list of numbers a
+# value of another type, and each path key places that cannot be written. A model family's keys
+# go with a base of that family; a dataset's path keys with the dataset that reads them.
+SWIN = ["model=swin_tiny", "dataset=synthetic_image", "trainer.global_batch_size=8"]
+FAMILY_BASES = {"llama": TEXT, "resnet": IMAGE, "swin": SWIN}
+READS_DATASET_PATHS = [*TEXT, "dataset=local_text"]
+PATH_NAMES = ("dir", "root", "path")
+UNWRITABLE = ("/proc/sdp-fuzz/x", "/etc/passwd")
+
+
+def typed_keys() -> list[tuple[str, object, list[str]]]:
+    """(dotted key, its type, the base it is fuzzed on) for every field of RunConfig, the model's
+    fields once per family."""
+    from sdp.models import FAMILIES
+    from sdp.run.config import RunConfig
+
+    out = []
+    for family, schema in FAMILIES.items():
+        out += [(f"model.{k}", t, FAMILY_BASES[family]) for k, t in _fields(schema)]
+    for key, kind in _fields(RunConfig):
+        if not key.startswith("model"):
+            leaf = key.rsplit(".", 1)[-1]
+            reads = key.startswith("dataset.") and leaf.endswith(PATH_NAMES)
+            out.append((key, kind, READS_DATASET_PATHS if reads else TEXT))
+    return out
+
+
+def _fields(schema: type, prefix: str = ""):
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if f.name == "record" or typing.get_origin(kind) in (typing.Union, types.UnionType) and any(
+            dataclasses.is_dataclass(a) for a in typing.get_args(kind)
+        ):
+            continue  # the record is no key; `model` is one of the families' (above)
+        if dataclasses.is_dataclass(kind):
+            yield from _fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", kind
+
+
+def typed_values(key: str, kind) -> dict[str, list[str]]:
+    """The bad values of one key, by value class."""
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    base = next(a for a in typing.get_args(kind) if a is not type(None)) if union else kind
+    origin = typing.get_origin(base)
+    if origin is list:
+        item = typing.get_args(base)[0]
+        return {"types": ["[[1],[2]]", "{a: 1}"]} | ({"not finite": ["[nan]", "[1e309]"]} if item is float else {})
+    if base is bool:
+        return {"types": ["maybe", "[true]"]}
+    if base is int:
+        return {"C-type limits": [str(v) for v in HUGE], "types": ["abc", "1.5", "[1]"]}
+    if base is float:
+        return {"not finite": [*NOT_FINITE, "1e309", "-1e309"], "types": ["abc", "[1.0]"]}
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return {"types": ["bogus", "[1]"]}
+    if base is str and key.rsplit(".", 1)[-1].endswith(PATH_NAMES):
+        return {"paths": list(UNWRITABLE)}
+    return {}  # a free string: any value is one
+
+
+def typed_cases() -> dict[str, list[list[str]]]:
+    """Every typed key's bad values on its base, by value class."""
+    out = collections.defaultdict(list)
+    for key, kind, base in typed_keys():
+        for cls, values in typed_values(key, kind).items():
+            out[cls] += [[*base, f"{key}={v}"] for v in values]
+    return out
+
+
 def config_cases() -> dict[str, list[list[str]]]:
     """The training config's bad overrides, by value class."""
     return {
@@ -188,6 +265,10 @@ def entrypoint_cases(root: Path) -> list[tuple[str, str, object]]:
             if not any(e.startswith(("--config-dir", "run_dir", "output_root", "name", "dataset.")) for e in extra):
                 cases.append(("estimate", cls, lambda a=[*TEXT, *extra]: sdp.estimate.main(["world_size=2", *a])))
             cases.append(("sweep", cls, lambda a=[*TEXT, *extra]: train.main(["-m", *a, "sweep.dry_run=true"])))
+    for cls, items in typed_cases().items():  # every key of the typed config, through train's checks
+        for argv in items:
+            cases.append(("train (every key)", cls, lambda a=argv: train.main(a)))
+            cases.append(("train --cfg job (every key)", cls, lambda a=argv: train.main(["--cfg", "job", *a])))
     for flag in ("--nproc-per-node=0", "--nproc-per-node=-1", "--nproc-per-node=x", "--nproc-per-node=1.5"):
         cases.append(("launcher", "ranges" if flag[-1].isdigit() else "types", lambda f=flag: train.main([f, *TEXT])))
     cases.append(("launcher", "C-type limits", lambda: train.main([f"--nproc-per-node={2**64}", *TEXT])))
@@ -353,10 +434,21 @@ def test_a_sample_of_every_entrypoint_and_value_class_is_refused_in_one_line(tmp
     counts = run_fuzz(tmp_path, sample=SAMPLE_PER_CELL)
     cells = {(e, c) for e, c, _ in counts}
     entrypoints = {"train", "train --cfg job", "launcher", "estimate", "plan", "sweep", "collect", "export"}
+    entrypoints |= {"train (every key)", "train --cfg job (every key)"}
     assert {e for e, _ in cells} == entrypoints
-    assert len(cells) >= 30 and sum(counts.values()) == 80, (sorted(cells), sum(counts.values()))
+    assert len(cells) >= 38 and sum(counts.values()) == 96, (sorted(cells), sum(counts.values()))
 
 
-@pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 2 min")
+def test_every_key_of_the_typed_config_is_fuzzed():
+    # 123 keys (a family's model keys once per family), of which 21 free strings take any value;
+    # the hand-written lists fuzzed 10 whole-number and 9 float keys for C-type limits and NaN.
+    keys = typed_keys()
+    fuzzed = {k for k, kind, _ in keys if typed_values(k, kind)}
+    assert (len(keys), len(fuzzed)) == (123, 102)
+    assert {"parallelism.timeout_s", "trainer.max_nonfinite_skips", "model.window_size", "run_dir"} <= fuzzed
+    assert sum(map(len, typed_cases().values())) == 532
+
+
+@pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 5 min")
 def test_every_case_of_every_entrypoint_is_refused_in_one_line(tmp_path, sentinels):
-    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1127  # every case, each refused
+    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1127 + 2 * 532  # every case, each refused

@@ -34,7 +34,7 @@ from sdp.analysis.claims import (
 )
 from sdp.errors import ConfigError
 from sdp.paths import DamagedFile, describe, read_json_lines, read_yaml_mapping
-from sdp.run.config import RunConfig
+from sdp.run.config import RunConfig, by_dotted_key
 from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, load_summary
 from sdp.rundir import variant_label as label_of
 
@@ -94,17 +94,6 @@ def settings(run_dir: Path) -> dict:
     return {**config, "trainer": trainer, "masking": masking}
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    """Nested settings as {"a.b": value}."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
     """{table: {"rows": [...], "incomplete": n, "kind": text|image}} from completed runs."""
     groups: dict[str, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
@@ -124,10 +113,10 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
         # Rows of one variant, C and protocol that differ in other settings say their values of them.
         siblings: dict[tuple, list[dict]] = defaultdict(list)
         for label, coverage, protocol, config in by_key:
-            siblings[(label, coverage, protocol)].append(_flat(json.loads(config)))
+            siblings[(label, coverage, protocol)].append(by_dotted_key(json.loads(config)))
         rows = []
         for (label, coverage, protocol, config), members in by_key.items():
-            flat, others = _flat(json.loads(config)), siblings[(label, coverage, protocol)]
+            flat, others = by_dotted_key(json.loads(config)), siblings[(label, coverage, protocol)]
             differing = sorted({k for o in others for k in o.keys() | flat.keys() if o.get(k) != flat.get(k)})
             if differing:
                 label += " [" + ", ".join(f"{k}={flat.get(k)}" for k in differing[:3]) + "]"

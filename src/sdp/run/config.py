@@ -15,6 +15,7 @@ import enum
 import importlib.util
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,8 +258,10 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     typed = {}
     for key, schema in sections.items():
         try:
+            _check_lists(schema, cfg[key], prefix=key)
             merged = OmegaConf.merge(OmegaConf.structured(schema), cfg[key])
             typed[key] = OmegaConf.to_object(merged)
+            _check_list_items(schema, typed[key], prefix=key)
         except OmegaConfBaseException as err:
             full = getattr(err, "full_key", None)  # a list's entry: "capacity[1]", where err.key is 1
             field_name = full if isinstance(full, str) and "[" in full else getattr(err, "key", None) or "?"
@@ -271,6 +274,34 @@ def to_typed(cfg: DictConfig) -> RunConfig:
             raise ConfigError(f"{key}.{field_name}", value, f"invalid: {str(err).splitlines()[0]}") from None
     top = {k: cfg.get(k) for k in ("seed", "name", "run_dir", "output_root")}
     return RunConfig(**typed, **top)
+
+
+def _list_item_type(kind) -> type | None:
+    """X of a `list[X]` or `list[X] | None` annotation; None for any other."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), None)
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+
+
+_ITEM_NAMES = {float: "a number", int: "an integer", str: "a string"}
+
+
+def _check_lists(schema: type, raw: DictConfig, *, prefix: str) -> None:
+    """A mapping given where a list is typed (OmegaConf's merge error names no key)."""
+    for name, kind in typing.get_type_hints(schema).items():
+        if _list_item_type(kind) is not None and isinstance(raw.get(name), DictConfig):
+            raise ConfigError(f"{prefix}.{name}", OmegaConf.to_container(raw[name]), "must be a list")
+
+
+def _check_list_items(schema: type, typed: object, *, prefix: str) -> None:
+    """Every item of a typed list is of its declared type: OmegaConf lets a nested list, [[1], [2]],
+    through a list[float] or list[str] (the code below then fails on it, or ships it to W&B)."""
+    for name, kind in typing.get_type_hints(schema).items():
+        item = _list_item_type(kind)
+        for i, value in enumerate(getattr(typed, name, None) or []) if item else []:
+            ok = isinstance(value, (int, float) if item is float else item) and not isinstance(value, bool)
+            if not ok:
+                raise ConfigError(f"{prefix}.{name}[{i}]", value, f"must be {_ITEM_NAMES.get(item, item.__name__)}")
 
 
 def _choices(schema: type, field_name: str) -> list[str]:
@@ -392,6 +423,17 @@ def apply_protocol(cfg: RunConfig) -> None:
     cfg.optim.warmup_steps = round(cfg.optim.warmup_steps / coverage)
     cfg.record["trainer"]["max_steps"] = cfg.trainer.max_steps
     cfg.record["optim"]["warmup_steps"] = cfg.optim.warmup_steps
+
+
+def by_dotted_key(config: dict, prefix: str = "") -> dict:
+    """A record's nested settings as {"a.b": value} (lists are values)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(by_dotted_key(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def record_yaml(cfg: RunConfig) -> str:

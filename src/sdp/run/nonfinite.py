@@ -213,26 +213,6 @@ class NonFinitePolicy:
 
     def __init__(
         self,
-        policy: str,
-        *,
-        max_skips: int,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        start_step: int,
-        world: dist.World,
-        logger: RunLogger,
-        run_dir: Path | None,
-    ):
-        self.policy, self.max_skips, self.device = policy, max_skips, device
-        self.world, self.logger, self.run_dir = world, logger, run_dir
-        self.skipped: list[int] = []
-        self.guard = None
-        if policy != "off" and skips_on_device(optimizer):
-            self.guard = NonFiniteGuard(policy, max_skips=max_skips, device=device, first_step=start_step + 1)
-
-    @classmethod
-    def from_config(
-        cls,
         cfg: TrainerConfig,
         *,
         optimizer: torch.optim.Optimizer,
@@ -241,18 +221,14 @@ class NonFinitePolicy:
         world: dist.World,
         logger: RunLogger,
         run_dir: Path | None,
-    ) -> NonFinitePolicy:
+    ):
         """trainer.on_nonfinite and trainer.max_nonfinite_skips for this launch of the run."""
-        return cls(
-            cfg.on_nonfinite,
-            max_skips=cfg.max_nonfinite_skips,
-            optimizer=optimizer,
-            device=device,
-            start_step=start_step,
-            world=world,
-            logger=logger,
-            run_dir=run_dir,
-        )
+        self.policy, self.max_skips, self.device = cfg.on_nonfinite, cfg.max_nonfinite_skips, device
+        self.world, self.logger, self.run_dir = world, logger, run_dir
+        self.skipped: list[int] = []
+        self.guard = None
+        if self.policy != "off" and skips_on_device(optimizer):
+            self.guard = NonFiniteGuard(self.policy, max_skips=self.max_skips, device=device, first_step=start_step + 1)
 
     def applied(self) -> torch.Tensor:
         """1 when the last step's update was applied, 0 when it was skipped (on the device)."""

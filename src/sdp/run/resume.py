@@ -24,6 +24,7 @@ from sdp.errors import ConfigError
 from sdp.parallel import PortableState
 from sdp.paths import DamagedFile, read_yaml_mapping
 from sdp.run.checkpoint import FORMAT, Checkpoint, complete_checkpoints, file_digest
+from sdp.run.config import by_dotted_key
 from sdp.rundir import CONFIG, METRICS, run_status
 
 # What a resume may change: where the run lives (a run dir is the run, however its path is
@@ -93,10 +94,10 @@ def config_edits(path: Path, config: dict, recorded: dict | None) -> str | None:
     if not path.is_file():
         return None
     try:
-        file = _flat(read_yaml_mapping(path))
+        file = by_dotted_key(read_yaml_mapping(path))
     except DamagedFile as err:
         return f"{path} {err.allowed}; it is rewritten with this command's config"
-    now, then = _flat(config), _flat(recorded or config)
+    now, then = by_dotted_key(config), by_dotted_key(recorded or config)
     edited = [
         k
         for k in sorted(set(file) | set(now))
@@ -113,17 +114,6 @@ def config_edits(path: Path, config: dict, recorded: dict | None) -> str | None:
 
 
 _ABSENT = "<absent>"
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-    """{dotted key: value} of a nested config (lists are values)."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
             seq_len=seq_len,
             measured=built.measured,
         ),
-        nonfinite=NonFinitePolicy.from_config(
+        nonfinite=NonFinitePolicy(
             tcfg, optimizer=optimizer, device=device, start_step=start_step, world=world, logger=logger, run_dir=run_dir
         ),
         checkpointer=Checkpointer.from_config(tcfg, target=target, state=state, start_step=start_step),
