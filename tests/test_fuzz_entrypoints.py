@@ -145,10 +145,9 @@ def _fields(schema: type, prefix: str = ""):
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         kind = hints[f.name]
-        if f.name == "record" or typing.get_origin(kind) in (typing.Union, types.UnionType) and any(
-            dataclasses.is_dataclass(a) for a in typing.get_args(kind)
-        ):
-            continue  # the record is no key; `model` is one of the families' (above)
+        a_family = typing.get_origin(kind) in (typing.Union, types.UnionType)  # `model`: the families' (above)
+        if f.name == "record" or (a_family and any(dataclasses.is_dataclass(a) for a in typing.get_args(kind))):
+            continue  # the record is no key
         if dataclasses.is_dataclass(kind):
             yield from _fields(kind, f"{prefix}{f.name}.")
         else:
