@@ -75,9 +75,10 @@ class ParallelConfig:
 
 
 # parallelism.timeout_s: every rank must reach the rendezvous within it (importing torch takes
-# seconds; 0.001 s let the rank die in DistNetworkError here). Waits on sockets take it in
-# milliseconds as a C int (poll(2)): 2**31 - 1 ms, 24.8 days, is the most that every layer
-# can hold (1e10 s, past torch's int64 nanoseconds, timed out at once).
+# seconds; 0.001 s let the rank die in DistNetworkError here). At 1e10 s, past torch's int64
+# nanoseconds, the rendezvous timed out at once; the bound is the smaller limit of a C int of
+# milliseconds (2**31 - 1 ms, 24.8 days, what poll(2)-style waits take). Measured here: 3e6 s
+# still ran on one rank, so the exact layer that fails first in between is not known.
 TIMEOUT_RANGE_S = (10, (2**31 - 1) // 1000)
 
 # Communicators cost device memory (parallelism.comm_group_overhead_mb each): a rank in more

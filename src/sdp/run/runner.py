@@ -212,8 +212,8 @@ def _open_run_dir(cfg: RunConfig, run_dir: Path, *, world: dist.World, resumed: 
     if not world.is_main:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    edited = config_edits(run_dir / rundir.CONFIG, cfg.record, ckpt.meta.get("config") if ckpt else None)
-    if resumed and edited:
+    edited = resumed and config_edits(run_dir / rundir.CONFIG, cfg.record, ckpt.meta.get("config") if ckpt else None)
+    if edited:
         dist.warn0(world, edited)
     rundir.write_text_atomic(run_dir / rundir.CONFIG, record_yaml(cfg))
     rundir.record_launch(run_dir)  # a torchrun restart without run_dir finds this dir by it
@@ -288,8 +288,8 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
     target = CheckpointTarget.from_config(
         tcfg, run_dir=run_dir, config=cfg.record, extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes}
     )
-    state = SavedState(built.strategy, built.optimizer, built.scheduler, world=world, device=device)
     strategy, optimizer = built.strategy, built.optimizer
+    state = SavedState(strategy, optimizer, built.scheduler, world=world, device=device)
     loop = Loop(
         strategy=strategy,
         data=built.data,

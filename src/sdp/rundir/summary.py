@@ -122,7 +122,7 @@ class Summary:
         """Set fields from `entries` (a component's part of the summary). A key that is no field
         is refused (KeyError naming it): the fields are summary.json's contract, and only
         `Strategy.describe()`'s entries go beside them (into `strategy`)."""
-        unknown = sorted(set(entries) - _field_names() | ({"strategy"} & set(entries)))
+        unknown = sorted(k for k in entries if k not in _field_names() or k == "strategy")
         if unknown:
             raise KeyError(f"summary.json has no field {unknown[0]!r}: add it to Summary, or to Strategy.describe()")
         for key, value in entries.items():
@@ -162,17 +162,14 @@ _NAMES = {str: "a string", int: "an integer", dict: "a mapping", list: "a list"}
 def _check_type(key: str, value: object) -> None:
     """TypeError `KEY=VALUE: must be ...` when `value` is not what Summary's field `key` holds;
     the memory figures (`*_bytes`) are checked one level down."""
-    annotation = Summary.__dataclass_fields__[key].type
-    kinds = [k.strip().split("[")[0] for k in str(annotation).split("|")]
+    kinds = [k.strip().split("[")[0] for k in str(Summary.__dataclass_fields__[key].type).split("|")]
     allowed = tuple(t for k in kinds for t in _JSON_TYPES.get(k, ()))
-    if (value is None and "None" in kinds) or (isinstance(value, allowed) and not isinstance(value, bool)):
-        if key == "memory":
-            for name, figure in value.items():
-                if name.endswith("_bytes"):
-                    _check_type_of(f"memory.{name}", figure, (int, float), nullable=True)
-        return
     if allowed:
         _check_type_of(key, value, allowed, nullable="None" in kinds)
+    if key == "memory":
+        for name, figure in value.items():
+            if name.endswith("_bytes"):
+                _check_type_of(f"memory.{name}", figure, (int, float), nullable=True)
 
 
 def _check_type_of(key: str, value: object, allowed: tuple[type, ...], *, nullable: bool) -> None:
