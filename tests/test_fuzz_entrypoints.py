@@ -109,6 +109,8 @@ CONTRADICTIONS = [
     ["masking=forward", "masking.capacity=[0.25,0.25]"],
     ["masking=forward", "masking.capacity=[1,1,1,1,1,1,1,1,1]"],
     ["masking=forward", "masking.capacity=[1,0.5]", "masking.construction=random"],
+    ["outer=diloco", "parallelism=fsdp"],
+    ["outer=diloco", "masking=forward", "masking.coverage=0.5", "masking.resample_every=5"],
 ]
 
 
@@ -124,6 +126,18 @@ PATH_NAMES = ("dir", "root", "path")
 UNWRITABLE = ("/proc/sdp-fuzz/x", "/etc/passwd")
 
 
+# The outer loop's keys exist under outer=diloco (outer=none has only its name).
+OUTER = ["outer=diloco"]
+OUTER_RANGES = [
+    ("outer.sync_every", [0, -1]),
+    ("outer.lr", [0, -0.7]),
+    ("outer.momentum", [1, 1.5, -0.1]),
+    ("outer.fragments", [0, 3, 1000, "50 outer.sync_every=50"]),
+    ("outer.comm_dtype", ["fp16"]),
+    ("outer.backup_device", ["gpu"]),
+]
+
+
 def typed_keys() -> list[tuple[str, object, list[str]]]:
     """(dotted key, its type, the base it is fuzzed on) for every field of RunConfig, the model's
     fields once per family."""
@@ -137,7 +151,8 @@ def typed_keys() -> list[tuple[str, object, list[str]]]:
         if not key.startswith("model"):
             leaf = key.rsplit(".", 1)[-1]
             reads = key.startswith("dataset.") and leaf.endswith(PATH_NAMES)
-            out.append((key, kind, READS_DATASET_PATHS if reads else TEXT))
+            base = READS_DATASET_PATHS if reads else [*TEXT, *OUTER] if key.startswith("outer.") else TEXT
+            out.append((key, kind, base))
     return out
 
 
@@ -187,7 +202,8 @@ def typed_cases() -> dict[str, list[list[str]]]:
 def config_cases() -> dict[str, list[list[str]]]:
     """The training config's bad overrides, by value class."""
     return {
-        "ranges": [[f"{k}={v}"] for k, values in RANGES for v in values],
+        "ranges": [[f"{k}={v}"] for k, values in RANGES for v in values]
+        + [[*OUTER, *f"{k}={v}".split()] for k, values in OUTER_RANGES for v in values],
         "types": [[f"{k}={v}"] for k, values in TYPES for v in values],
         "C-type limits": [[f"{k}={v}"] for k in INT_KEYS for v in HUGE],
         "not finite": [[f"{k}={v}"] for k in FLOAT_KEYS for v in NOT_FINITE],
@@ -439,15 +455,16 @@ def test_a_sample_of_every_entrypoint_and_value_class_is_refused_in_one_line(tmp
 
 
 def test_every_key_of_the_typed_config_is_fuzzed():
-    # 123 keys (a family's model keys once per family), of which 21 free strings take any value;
+    # 130 keys (a family's model keys once per family), of which 21 free strings take any value;
     # the hand-written lists fuzzed 10 whole-number and 9 float keys for C-type limits and NaN.
     keys = typed_keys()
     fuzzed = {k for k, kind, _ in keys if typed_values(k, kind)}
-    assert (len(keys), len(fuzzed)) == (123, 102)
+    assert (len(keys), len(fuzzed)) == (130, 109)
     assert {"parallelism.timeout_s", "trainer.max_nonfinite_skips", "model.window_size", "run_dir"} <= fuzzed
-    assert sum(map(len, typed_cases().values())) == 532
+    assert {"outer.sync_every", "outer.lr", "outer.momentum", "outer.fragments", "outer.comm_dtype"} <= fuzzed
+    assert sum(map(len, typed_cases().values())) == 566
 
 
 @pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 5 min")
 def test_every_case_of_every_entrypoint_is_refused_in_one_line(tmp_path, sentinels):
-    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1127 + 2 * 532  # every case, each refused
+    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1169 + 2 * 566  # every case, each refused

@@ -13,12 +13,13 @@ SRC = Path(__file__).parents[1] / "src" / "sdp"
 
 # A layer imports only from the layers before it (and from the shared modules below every layer:
 # errors, dist, paths, optim, redact, and the folders data/ and metrics/). The folders say what
-# they hold: models, their data-parallel wrappers, SDP, a run (and the files it writes), then
-# what reads or plans runs, what launches them, and the commands a user types.
+# they hold: models, their data-parallel wrappers, SDP, the outer loop over either, a run (and the
+# files it writes), then what reads or plans runs, what launches them, and the commands a user types.
 LAYERS = [
     ("sdp.models",),
     ("sdp.parallel",),
     ("sdp.subnet",),
+    ("sdp.outer",),
     ("sdp.run", "sdp.rundir"),
     ("sdp.planning", "sdp.analysis"),
     ("sdp.launching",),

@@ -11,8 +11,17 @@ import torch
 # What is counted: gradient averaging of unit parameters (all of them under DDP),
 # of shared parameters under SDP, backward masking's refresh of non-held weights, and
 # the weights and optimizer state that move when the mask is resampled, and FSDP's
-# weight all-gathers and gradient reduce-scatters.
-COMM_KINDS = ("grad_sync", "shared_sync", "weight_refresh", "resample", "param_all_gather", "grad_reduce_scatter")
+# weight all-gathers and gradient reduce-scatters, and an outer loop's pseudo-gradient averaging
+# (sdp.outer: every H steps, counted in the step that syncs).
+COMM_KINDS = (
+    "grad_sync",
+    "shared_sync",
+    "weight_refresh",
+    "resample",
+    "param_all_gather",
+    "grad_reduce_scatter",
+    "outer_sync",
+)
 
 
 class CommCounter:

@@ -12,6 +12,8 @@ import torch
 from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, computes_loss
+from sdp.outer import is_outer
+from sdp.outer.view import LocalDDPStrategy
 from sdp.parallel import DDPStrategy, Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
@@ -42,7 +44,11 @@ def build_strategy(
     `mask_epoch` is the SDP mask epoch to start in (a resumed run's); `ddp` is DDP's strategy
     (the estimator passes one with its model of DDP's reducer, which cannot run on fake tensors);
     `plan` is SDP's plan as the preflight built it (None: the strategy builds its own).
+    Under an outer loop (outer=diloco) every rank steps alone: DDP without its all-reduce, SDP
+    with `local_steps`; the loop's syncs are `sdp.outer.loop.OuterLoop`'s.
     """
+    if is_outer(cfg.outer) and ddp is DDPStrategy:
+        ddp = LocalDDPStrategy
     made = dict(build=build, mask_epoch=mask_epoch, ddp=ddp, plan=plan)
     strategy = _wrapped(cfg, world=world, device=device, comm=comm, **made)
     strategy.loss_in_model = computes_loss(cfg.model)
@@ -108,4 +114,5 @@ def _wrapped(
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
     autocast = torch.bfloat16 if par.mixed_precision == "bf16" else None
-    return SDPStrategy(build(cfg.model), cfg.masking, autocast_dtype=autocast, **common)
+    local = is_outer(cfg.outer)
+    return SDPStrategy(build(cfg.model), cfg.masking, autocast_dtype=autocast, local_steps=local, **common)

@@ -29,8 +29,18 @@ from omegaconf.errors import OmegaConfBaseException
 from sdp.data import DataConfig, data_vocab_size, validate_data
 from sdp.errors import ConfigError
 from sdp.metrics.logger import LoggerConfig, validate_logger
-from sdp.models import FAMILIES, FAMILY_KIND, LlamaConfig, ModelConfig, SwinConfig, build_on_meta, validate_model
+from sdp.models import (
+    FAMILIES,
+    FAMILY_KIND,
+    LlamaConfig,
+    ModelConfig,
+    SwinConfig,
+    blocks,
+    build_on_meta,
+    validate_model,
+)
 from sdp.optim import OptimConfig, validate_optim
+from sdp.outer import OuterConfig, validate_outer, validate_outer_with
 from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.paths import CONF_DIR
 from sdp.redact import redact
@@ -45,7 +55,19 @@ from sdp.subnet import (
 )
 from sdp.subnet.plan import SubnetPlan, validate_plan
 
-GROUPS = ("model", "dataset", "masking", "parallelism", "optim", "trainer", "logger", "experiment", "variant", "debug")
+GROUPS = (
+    "model",
+    "dataset",
+    "masking",
+    "parallelism",
+    "outer",
+    "optim",
+    "trainer",
+    "logger",
+    "experiment",
+    "variant",
+    "debug",
+)
 
 
 @dataclass
@@ -54,6 +76,7 @@ class RunConfig:
     dataset: DataConfig
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     parallelism: ParallelConfig = field(default_factory=ParallelConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -150,7 +173,9 @@ def _explain_compose_error(err: Exception, overrides: list[str]) -> ConfigError:
     if not_in_struct:
         key = not_in_struct.group(1)
         value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
-        hint = _closest_key(key, [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key])
+        hint = _other_option_of(key, search_dirs(overrides)) or _closest_key(
+            key, [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+        )
         return ConfigError(key, value, f"no such key{hint} (prefix '+' to add a new one)")
     bad = _unparsable(overrides)
     if bad is not None:
@@ -181,6 +206,16 @@ def _unparsable(overrides: list[str]) -> ConfigError | None:
                 return ConfigError("overrides", override, f"is not key=value (was a value split at a space?); {hint}")
             return ConfigError(key, value, f"cannot be parsed ({detail}); {hint}")
     return None
+
+
+def _other_option_of(key: str, dirs: list[Path]) -> str:
+    """'; it is a key of outer=diloco' for a key that another option of its group has (''
+    if none does): outer=none has no outer.sync_every."""
+    group, _, leaf = key.partition(".")
+    if not leaf or "." in leaf:
+        return ""
+    having = [p.stem for d in dirs for p in sorted((d / group).glob("*.yaml")) if leaf in (OmegaConf.load(p) or {})]
+    return f"; it is a key of {' and '.join(f'{group}={o}' for o in having)}" if having else ""
 
 
 def _closest_key(key: str, overrides: list[str]) -> str:
@@ -251,6 +286,7 @@ def to_typed(cfg: DictConfig) -> RunConfig:
         "dataset": DataConfig,
         "masking": MaskingConfig,
         "parallelism": ParallelConfig,
+        "outer": OuterConfig,
         "optim": OptimConfig,
         "trainer": TrainerConfig,
         "logger": LoggerConfig,
@@ -354,13 +390,24 @@ def validate(cfg: RunConfig, *, world_size: int, offline: bool, check_data: bool
     validate_masking(cfg.masking)
     validate_parallel(cfg.parallelism)
     validate_sdp_x_fsdp(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
+    validate_outer(cfg.outer)
     plan = None
     if is_sdp(cfg.masking.name):  # builds the model on the meta device, as below
         workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
         steps = cfg.trainer.max_steps
         plan = validate_plan(cfg.model, cfg.masking, world_size=workers, parallel=cfg.parallelism, steps=steps)
+        n_blocks = len(plan.block_paths)
     else:
-        build_on_meta(cfg.model)  # a shape the model's library refuses: one line, before any process group
+        # A shape the model's library refuses: one line, before any process group.
+        n_blocks = len(blocks(build_on_meta(cfg.model), family=cfg.model.family))
+    validate_outer_with(
+        cfg.outer,
+        parallelism=cfg.parallelism.name,
+        masking=cfg.masking.name,
+        resample_every=cfg.masking.resample_every,
+        blocks=n_blocks,
+        family=cfg.model.family,
+    )
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer, world_size=world_size)
     validate_logger(cfg.logger)

@@ -169,8 +169,11 @@ class Meter:
         start_step: int,
         units_per_step: int,
         measured: dict | None = None,
+        extra_memory: Callable[[], dict[str, int]] | None = None,
     ):
+        """`extra_memory()`: bytes this rank holds beside the strategy's (an outer loop's)."""
         self.strategy, self.optimizer, self.device, self.comm = strategy, optimizer, device, comm
+        self.extra_memory = extra_memory
         self.timer, self.clock = PhaseTimer(device), StepClock(device)
         self.units_per_step = units_per_step
         # The loss summed over this log window's applied steps, and their number, on the device.
@@ -196,6 +199,7 @@ class Meter:
         start_step: int,
         seq_len: int,
         measured: dict | None,
+        extra_memory: Callable[[], dict[str, int]] | None = None,
     ) -> Meter:
         """The loop's meter: trainer.profile_step of trainer.max_steps, each step's global batch of
         samples (or of `seq_len` tokens each) the unit of its throughput."""
@@ -209,6 +213,7 @@ class Meter:
             start_step=start_step,
             units_per_step=cfg.global_batch_size * seq_len,
             measured=measured,
+            extra_memory=extra_memory,
         )
 
     def timed(self, step: int) -> bool:
@@ -242,7 +247,9 @@ class Meter:
         self.comm.end_step(timed=timed)
         self.clock.end(timed=timed)
         if self._measure_memory:
-            self.memory = _elementwise_max(self.memory, self.strategy.memory(self.optimizer))
+            held = self.strategy.memory(self.optimizer)
+            held.update(self.extra_memory() if self.extra_memory else {})
+            self.memory = _elementwise_max(self.memory, held)
         self._measure_memory = resampled
 
     def sync(self) -> None:

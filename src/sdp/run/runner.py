@@ -18,6 +18,9 @@ from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.optim import build_optimizer, build_scheduler
+from sdp.outer import is_outer
+from sdp.outer.loop import OuterLoop
+from sdp.outer.view import view_of
 from sdp.parallel import Strategy
 from sdp.redact import redact_text
 from sdp.run.build import build_strategy
@@ -233,6 +236,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     measured: dict | None
+    outer: OuterLoop | None = None
 
 
 def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Checkpoint | None, plan) -> Built:
@@ -269,7 +273,20 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
         before = ckpt.meta["world_size"]
         resized = f", re-cut from {before} processes for {world.world_size}" if before != world.world_size else ""
         dist.print0(world, f"resumed from {ckpt.path} (step {start_step}{resized})")
-    return Built(data, micro, comm, strategy, optimizer, scheduler, measured)
+    return Built(data, micro, comm, strategy, optimizer, scheduler, measured, _outer_loop(cfg, strategy, comm, device))
+
+
+def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device: torch.device) -> OuterLoop | None:
+    """Collective: outer=diloco's loop over `strategy`, its holders started alike; None without one."""
+    if not is_outer(cfg.outer):
+        return None
+    par = cfg.parallelism
+    view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=par.bucket_cap_mb)
+    outer = OuterLoop(
+        cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=par.bucket_cap_mb
+    )
+    outer.start()
+    return outer
 
 
 def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_dir: Path, ckpt, signals) -> None:
@@ -304,6 +321,7 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
             start_step=start_step,
             seq_len=seq_len,
             measured=built.measured,
+            extra_memory=built.outer.memory if built.outer else None,
         ),
         nonfinite=NonFinitePolicy(
             tcfg, optimizer=optimizer, device=device, start_step=start_step, world=world, logger=logger, run_dir=run_dir
@@ -319,6 +337,7 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
             calibration_batches=cfg.masking.bn_recalibration_batches,
         ),
         logger=logger,
+        outer=built.outer,
     )
     summary.update(train(loop, tcfg, world=world, start_step=start_step, stop_requested=signals))
     if summary.stopped_at:
@@ -326,6 +345,8 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
     summary.update(
         loop.meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
     )
+    if built.outer is not None:
+        summary.outer = built.outer.figures()
 
 
 def main(overrides: list[str]) -> int:

@@ -19,6 +19,7 @@ from sdp.data import DataBundle
 from sdp.data.prefetch import to_device
 from sdp.errors import Interrupted, WriteFailed
 from sdp.metrics.logger import RunLogger
+from sdp.outer.loop import OuterLoop
 from sdp.parallel import Strategy
 from sdp.run.checkpoint import Checkpointer
 from sdp.run.measure import Meter, PhaseTimer
@@ -223,7 +224,8 @@ class Loop:
     """What the training loop drives, each part made from the typed config by its own
     constructor (`sdp.run.runner` wires them): the model under its strategy, the data, the
     optimizer and its lr schedule, and the parts that keep their own timing: the meter, the
-    NaN/Inf policy, the checkpointer, the evaluations; the logger."""
+    NaN/Inf policy, the checkpointer, the evaluations; the logger; the outer loop's syncs
+    (outer=diloco; None: the strategy averages every step)."""
 
     strategy: Strategy
     data: DataBundle
@@ -234,6 +236,12 @@ class Loop:
     checkpointer: Checkpointer
     evaluation: Evaluation
     logger: RunLogger
+    outer: OuterLoop | None = None
+
+    def synced(self):
+        """Context: the model holds the last synced weights (an outer loop's theta_prev; the
+        model as it is without one): what evaluation sees between syncs."""
+        return self.outer.synced() if self.outer is not None else contextlib.nullcontext()
 
 
 def train(
@@ -270,7 +278,8 @@ def train(
             if log_step or stopping:
                 _log_train(loop.meter.window(step, lr), logger=loop.logger, bar=bar)
             if eval_step:
-                evals = loop.evaluation(loop.strategy, final=step == cfg.max_steps)
+                with loop.synced():
+                    evals = loop.evaluation(loop.strategy, final=step == cfg.max_steps)
                 _log_eval(step, evals, logger=loop.logger, bar=bar, world=world)
             if loop.checkpointer.due(step) or stopping:
                 loop.checkpointer.save(step, loop.meter.measured())
@@ -315,7 +324,8 @@ def _step_runner(loop: Loop, cfg: TrainerConfig, *, world: dist.World) -> Callab
 
 def _optimizer_step(loop: Loop, run_step: Callable[[], torch.Tensor], *, step: int, max_steps: int) -> float:
     """Step `step`, measured; a NaN/Inf step handled by the policy (the model stays the last good
-    one); the schedule advanced; a new mask where one is due. Returns the lr the step used."""
+    one); the schedule advanced; an outer sync and a new mask where one is due. Returns the lr
+    the step used."""
     try:
         loop.meter.add_loss(loop.meter.run(step, run_step), loop.nonfinite.applied())
     except NonFiniteStep as bad:  # raised on every rank before the update: the model is the last good one
@@ -323,6 +333,8 @@ def _optimizer_step(loop: Loop, run_step: Callable[[], torch.Tensor], *, step: i
         loop.optimizer.zero_grad(set_to_none=True)
     lr = loop.scheduler.get_last_lr()[0]  # the lr this step used
     loop.scheduler.step()
+    if loop.outer is not None:  # a sync where one is due, counted in this step's time and bytes
+        loop.outer.after_step(step)
     resampled = step < max_steps and loop.strategy.resample(step, loop.optimizer)
     if resampled:
         loop.strategy.model.train()

@@ -78,6 +78,8 @@ class Summary:
     n_params: int | None = None
     throughput_unit: str | None = None  # tokens/s | samples/s
     strategy: dict = field(default_factory=dict)  # Strategy.describe()
+    # The outer loop (outer=diloco; {} without one): its settings, its syncs and bytes per sync.
+    outer: dict = field(default_factory=dict)
     # How far it got, and the loss (the last log window's mean over every rank).
     steps: int | None = None
     stopped_at: int | None = None

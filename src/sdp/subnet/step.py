@@ -42,13 +42,16 @@ class StepSync:
         overlap: bool,
         refresh: Refresh,
         scale: Callable[[list[nn.Parameter], float, torch.Tensor], None] = scale_grads,
+        local: bool = False,
     ):
         """`position` and `block`: see `GradSync`; `overlap` (parallelism.overlap_comm) overlaps
         the averaging with the backward; `scale`: how clipping scales the gradients (SDP x FSDP:
-        each rank its own shards)."""
+        each rank its own shards). `local`: every step is this rank's alone (an outer loop,
+        `sdp.outer`, averages every H steps): no gradient averaging, no weight refresh, and
+        clipping by the norm of this rank's own gradient."""
         self.groups, self.comm, self.bucket_cap_mb, self.rank = groups, comm, bucket_cap_mb, rank
         self.position, self.block, self.overlap = position, block, overlap
-        self.refresh, self.scale = refresh, scale
+        self.refresh, self.scale, self.local = refresh, scale, local
         self.grads: GradSync | None = None
         self.trainable: list[nn.Parameter] = []
         self.trace: list | None = None
@@ -67,6 +70,7 @@ class StepSync:
             block=self.block,
             overlap=self.overlap,
         )
+        self.grads.active = not self.local  # local steps: its hooks launch nothing
         self.trainable = installed.subnet.trainable
         self.refresh.rebuild(installed.subnet.refresh, installed.model, wait_at=wait_at)
         self.trace_collectives(self.trace)
@@ -80,6 +84,9 @@ class StepSync:
 
     @contextlib.contextmanager
     def no_sync(self):
+        if self.local:
+            yield
+            return
         self.grads.active = False  # gradients accumulate; the hooks launch nothing
         try:
             yield
@@ -87,18 +94,23 @@ class StepSync:
             self.grads.active = True
 
     def after_backward(self) -> None:
+        if self.local:
+            return
         self.comm.need_pending(("grad_reduce_scatter",))  # SDP x FSDP: FSDP's, waited for in backward()
         self.refresh.settle()  # the forward waited for every piece it read; nothing is left
         with self.comm.waiting():
             self.grads()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if self.local:
+            return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         norm = self.grads.global_norm(rank=self.rank)
         self.scale(self.trainable, max_norm, norm)
         return norm
 
     def after_step(self) -> None:
-        self.refresh.after_step()
+        if not self.local:
+            self.refresh.after_step()
 
     def settle(self) -> None:
         self.refresh.settle()

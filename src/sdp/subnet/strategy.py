@@ -60,6 +60,7 @@ class SDPStrategy(Strategy):
         overlap: bool = True,
         compiled: bool = False,
         plan: SubnetPlan | None = None,
+        local_steps: bool = False,
     ):
         """`model` is the full plain model on the host, initialised alike on every rank;
         `world_size` is K, the SDP workers; `make_plain` builds a full plain model on `device`,
@@ -68,7 +69,9 @@ class SDPStrategy(Strategy):
         `overlap` (parallelism.overlap_comm) overlaps gradient averaging with the backward and
         backward masking's weight refresh with the next forward; `compiled`: `prepare` compiles
         every block's forward (parallelism.compile), so the refresh waits before each block.
-        `plan`: the plan of this model, config and K (`validate_plan`'s), else made here."""
+        `plan`: the plan of this model, config and K (`validate_plan`'s), else made here.
+        `local_steps`: each rank steps alone, its gradients and weights unshared between the
+        syncs of an outer loop (`sdp.outer`)."""
         plan = plan or SubnetPlan.build(model, cfg, family=family, workers=world_size, fsdp_degree=self.fsdp_degree)
         _check_plan(plan, cfg, family=family, workers=world_size, fsdp_degree=self.fsdp_degree)
         self.plan, self.cfg, self.rank, self.device, self.comm = plan, cfg, rank, device, comm
@@ -95,6 +98,7 @@ class SDPStrategy(Strategy):
             overlap=overlap,
             refresh=refresh,
             scale=self.scale_grads,
+            local=local_steps,
         )
         self._install(model, plan.mask_at(epoch))
 

@@ -1,0 +1,107 @@
+"""The outer loop: local steps and an outer optimizer (DiLoCo, arXiv 2311.08105), over DDP and SDP.
+
+`outer=none` is today's run: gradients averaged every step. `outer=diloco` lets each worker
+take `sync_every` (H) inner steps alone, with its own inner optimizer state; then each
+trained tensor's pseudo-gradient, Delta = theta_prev - theta_local, is averaged over the
+workers that hold it (all of them under DDP; a unit's holders under SDP), and an outer Nesterov
+SGD step moves theta_prev. `fragments` (Streaming DiLoCo, arXiv 2501.18512) splits the model
+into P groups of consecutive blocks, synced one at a time, every H / P steps in turn.
+
+This module holds the config (`outer.*`) and the checks on it; `loop` runs the syncs, `view`
+says what a strategy trains and with whom. docs/lowcomm.md describes the design.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sdp.errors import ConfigError
+
+
+class Outer(StrEnum):
+    """outer.name: none (a gradient average every step) | diloco (local steps, an outer optimizer)."""
+
+    none = "none"
+    diloco = "diloco"
+
+
+class BackupDevice(StrEnum):
+    """outer.backup_device: where theta_prev and the outer momentum live."""
+
+    cpu = "cpu"
+    device = "device"
+
+
+class CommDtype(StrEnum):
+    """outer.comm_dtype: the pseudo-gradients' dtype on the wire."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+@dataclass
+class OuterConfig:
+    name: Outer = Outer.none
+    sync_every: int = 50  # H: inner steps between two syncs of a fragment (1: every step)
+    lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
+    momentum: float = 0.9  # its momentum, in [0, 1) (DiLoCo's; 0: plain SGD)
+    backup_device: BackupDevice = BackupDevice.cpu
+    fragments: int = 1  # P: groups of consecutive blocks synced in turn (Streaming DiLoCo); 1: all at once
+    comm_dtype: CommDtype = CommDtype.fp32
+
+
+def is_outer(cfg: OuterConfig) -> bool:
+    return cfg.name != Outer.none
+
+
+def validate_outer(cfg: OuterConfig) -> None:
+    """The checks on outer.* alone (those against the model, the masking and the parallelism:
+    `validate_outer_with`)."""
+    if cfg.sync_every < 1:
+        raise ConfigError("outer.sync_every", cfg.sync_every, "must be >= 1 (1: a sync after every step)")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ConfigError("outer.lr", cfg.lr, "must be a finite number > 0 (DiLoCo's: 0.7)")
+    if not (math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1):
+        raise ConfigError("outer.momentum", cfg.momentum, "must be in [0, 1) (DiLoCo's: 0.9; 0: no momentum)")
+    if cfg.fragments < 1:
+        raise ConfigError("outer.fragments", cfg.fragments, "must be >= 1 (1: the whole model at each sync)")
+    if cfg.sync_every % cfg.fragments:
+        raise ConfigError(
+            "outer.fragments",
+            cfg.fragments,
+            f"must divide outer.sync_every={cfg.sync_every}: fragment p syncs every H steps, H / P steps after "
+            "fragment p - 1",
+        )
+
+
+def validate_outer_with(
+    cfg: OuterConfig, *, parallelism: str, masking: str, resample_every: int, blocks: int, family: str
+) -> None:
+    """The outer loop's checks against the rest of the run: the parallelism it runs over, a mask
+    that stays put (each unit's theta_prev and momentum live on its holders), and fragments no
+    more than the model's `blocks`."""
+    if not is_outer(cfg):
+        return
+    if parallelism != "ddp":
+        raise ConfigError(
+            "parallelism",
+            parallelism,
+            f"with outer={cfg.name}: the outer loop runs over parallelism=ddp (plain, or SDP's masking=backward|"
+            "forward); FSDP shards every tensor over the ranks, so no rank holds a worker's whole tensors to step "
+            "alone; allowed: parallelism=ddp",
+        )
+    if resample_every:
+        raise ConfigError(
+            "masking.resample_every",
+            resample_every,
+            f"with outer={cfg.name}: each unit's theta_prev and outer momentum live on its holders, and a "
+            "resample would move them mid-window; must be 0",
+        )
+    if cfg.fragments > blocks:
+        raise ConfigError(
+            "outer.fragments",
+            cfg.fragments,
+            f"must be <= the model's {blocks} blocks ({family}): a fragment is a group of consecutive blocks",
+        )
