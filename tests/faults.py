@@ -44,11 +44,11 @@ def arm(fault: str) -> None:
         real_load = sdp.run.runner.load_checkpoint
 
         def load_then_gather(ckpt, *, strategy, optimizer, world, **kwargs):
-            measured = real_load(ckpt, strategy=strategy, optimizer=optimizer, world=world, **kwargs)
+            loaded = real_load(ckpt, strategy=strategy, optimizer=optimizer, world=world, **kwargs)
             state = strategy.portable_state(optimizer)  # collective
             if world.is_main:
                 torch.save(dataclasses.asdict(state), "recut.pt")
-            return measured
+            return loaded
 
         sdp.run.runner.load_checkpoint = load_then_gather
         return

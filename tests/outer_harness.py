@@ -47,7 +47,8 @@ def build(family: str, masking: MaskingConfig | None, outer: dict | None, *, ste
     if outer is not None:
         par = cfg.parallelism
         view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=par.bucket_cap_mb)
-        loop = OuterLoop(cfg.outer, view, device=CPU, comm=comm, max_steps=steps, bucket_cap_mb=par.bucket_cap_mb)
+        cap = par.bucket_cap_mb
+        loop = OuterLoop(cfg.outer, view, device=CPU, comm=comm, max_steps=steps, bucket_cap_mb=cap)
     return strategy, loop, comm
 
 

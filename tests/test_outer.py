@@ -1,12 +1,14 @@
 """The outer loop (outer=diloco): its exactness anchors, the average over each unit's own
-holders, one global order of its collectives with fragments, and workers that start alike.
-The checks run on forked ranks (tests/outer_harness.py); the asserts are here."""
+holders, one global order of its collectives with fragments, workers that start alike, and
+resuming: bitwise mid-window, on another world size at a sync boundary only. The checks run on
+forked ranks (tests/outer_harness.py and the entrypoint); the asserts are here."""
 
 import json
 
 import pytest
+import torch
 from collective_order import order_problems
-from conftest import job_env
+from conftest import job_env, launch, read_run
 from ranks import run_ranks
 
 
@@ -83,3 +85,60 @@ def test_holders_start_alike_and_evaluation_sees_the_synced_weights(four, case):
     assert res.get("full_spread", 0.0) == 0.0
     assert res["synced_is_start"] == 0.0
     assert res["outside_moved"] > 0.0
+
+
+LLAMA = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]
+RESNET = ["model=resnet_tiny", "dataset=synthetic_image", "trainer.global_batch_size=16"]
+COMMON = ["logger=none", "trainer.max_steps=9", "trainer.log_every=1", "trainer.eval_every=4", "dataset.eval_batches=1"]
+RESUMES = {
+    "llama-ddp": LLAMA,
+    # Backward masking: the non-held ranges hold theta_prev between syncs, the held ones each
+    # rank's own; so are the BatchNorm statistics of the units a rank sends at evaluation.
+    "resnet-sdp-backward": [*RESNET, "masking=backward", "masking.coverage=0.5"],
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", RESUMES)
+def test_a_stop_mid_window_resumes_bitwise(tmp_path, variant):
+    overrides = [*RESUMES[variant], *COMMON, "outer=diloco", "outer.sync_every=4", "trainer.progress=false"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for argv in (
+        [*overrides, f"run_dir={straight}"],
+        [*overrides, f"run_dir={resumed}", "trainer.stop_at_step=6"],  # steps 5 and 6 of the window 5..8
+        [*overrides, f"run_dir={resumed}"],
+    ):
+        proc = launch(argv, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(d / "model.pt", weights_only=True) for d in (straight, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    (sa, ra), (sb, rb) = read_run(straight), read_run(resumed)
+    drop = ("tokens_or_samples_per_s", "step_time_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in ra] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rb
+    ]
+    assert sb["resumed_from"] == 6 and sb["outer"]["syncs"] == 2  # after steps 8 and 9 (the end)
+    assert sa["outer"]["syncs"] == 3
+
+
+@pytest.mark.dist
+def test_another_world_size_resumes_at_a_sync_boundary_only(tmp_path):
+    overrides = [*RESNET, *COMMON, "outer=diloco", "outer.sync_every=4", "trainer.progress=false"]
+    overrides.append(f"run_dir={tmp_path}")
+    assert launch([*overrides, "trainer.stop_at_step=6"], cwd=tmp_path).returncode == 0
+    proc = launch(overrides, nproc=1, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: run_dir='{tmp_path}': holds a checkpoint of step 6 written by 2 processes in the middle of an "
+        "outer window: each worker's weights and inner optimizer state are its own until the next sync, so a "
+        "resume on 1 process needs a sync boundary; the next is step 8 (outer.sync_every=4): resume on 2 "
+        "processes with trainer.stop_at_step=8, then on 1"
+    )
+    assert launch([*overrides, "trainer.stop_at_step=8"], cwd=tmp_path).returncode == 0
+    proc = launch(overrides, nproc=1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, _ = read_run(tmp_path)
+    assert summary["resumes"][-1] == {"step": 8, "world_size": 1, "checkpointed_with": 2}
+    assert summary["status"] == "completed"

@@ -105,3 +105,33 @@ def validate_outer_with(
             cfg.fragments,
             f"must be <= the model's {blocks} blocks ({family}): a fragment is a group of consecutive blocks",
         )
+
+
+def at_boundary(cfg: OuterConfig, step: int) -> bool:
+    """Whether every worker holds the synced weights after `step`: the start, or a whole-model
+    sync (one fragment, `step` a multiple of H). Fragments sync in turn, so with P > 1 no step
+    before the last is one. A run may change its world size only at a boundary: between two,
+    each worker's weights and inner optimizer state are its own."""
+    return not is_outer(cfg) or step == 0 or (cfg.fragments == 1 and step % cfg.sync_every == 0)
+
+
+def check_resize(cfg: OuterConfig, *, run_dir: str, step: int, before: int, world_size: int) -> None:
+    """A resume of `run_dir`'s checkpoint of `step`, written by `before` processes, on `world_size`:
+    refused in one line naming the next boundary when the step is not one."""
+    if before == world_size or at_boundary(cfg, step):
+        return
+    procs = f"{world_size} process{'es' if world_size != 1 else ''}"
+    if cfg.fragments > 1:
+        where = f"with outer.fragments={cfg.fragments} the fragments sync in turn, and no step before the last is one"
+        then = f"resume on {before} processes"
+    else:
+        boundary = (step // cfg.sync_every + 1) * cfg.sync_every
+        where = f"the next is step {boundary} (outer.sync_every={cfg.sync_every})"
+        then = f"resume on {before} processes with trainer.stop_at_step={boundary}, then on {world_size}"
+    raise ConfigError(
+        "run_dir",
+        run_dir,
+        f"holds a checkpoint of step {step} written by {before} processes in the middle of an outer window: each "
+        f"worker's weights and inner optimizer state are its own until the next sync, so a resume on {procs} "
+        f"needs a sync boundary; {where}: {then}",
+    )

@@ -31,6 +31,7 @@ from torch import nn
 from sdp.metrics.comm import CommCounter
 from sdp.outer import OuterConfig
 from sdp.outer.view import OuterView
+from sdp.parallel import host as host_copy
 from sdp.subnet.sync import Bucket, GradEntry, plan_buckets
 
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -178,6 +179,33 @@ class OuterLoop:
             with torch.no_grad():
                 for p, t in local.items():
                     p.copy_(t)
+
+    @torch.no_grad()
+    def checkpoint(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+        """Collective: the outer momentum in plain coordinates (the same on every rank: each unit's
+        from its holders; theta_prev is the checkpoint's model, taken inside `synced()`), and what
+        is this rank's alone between syncs: its local weights and its inner optimizer's state.
+        (Its BatchNorm statistics are its own too, but only the ones evaluation reads count, and
+        the checkpoint's model holds those: rank 0's under DDP, each unit's holder's under SDP.)"""
+        momentum = self.view.gather({p: {"momentum": m} for p, m in self.momentum.items()}) if self.momentum else {}
+        local = {"weights": [host_copy(p) for p in self.view.trainable], "inner": optimizer.state_dict()}
+        return momentum.get("momentum", {}), local
+
+    @torch.no_grad()
+    def restore(self, optimizer: torch.optim.Optimizer, momentum: dict[str, torch.Tensor], local: dict | None) -> None:
+        """A resumed run: theta_prev is the model as the checkpoint restored it, the momentum is cut
+        from `momentum` (plain coordinates); `local` (a resume on the checkpoint's world size) puts
+        back this rank's own weights and inner optimizer state, so that the window goes on as if
+        never stopped."""
+        self.backup = {p: p.detach().to(self.home, copy=True) for p in self.view.trainable}
+        if self.cfg.momentum > 0:
+            placed = self.view.place({"momentum": momentum})
+            self.momentum = {p: placed[p]["momentum"].to(self.home) for p in self.view.trainable}
+        if local is None:
+            return
+        for p, t in zip(self.view.trainable, local["weights"], strict=True):
+            p.copy_(t)
+        optimizer.load_state_dict(local["inner"])
 
     def memory(self) -> dict[str, int]:
         """Bytes of theta_prev and of the outer momentum on this rank (on `outer.backup_device`)."""

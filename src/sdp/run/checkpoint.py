@@ -30,6 +30,7 @@ schedule and the mask epoch follow from the step. The config must be the same
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -47,6 +48,7 @@ import torch
 
 from sdp import dist
 from sdp.dist import local
+from sdp.outer.loop import OuterLoop
 from sdp.parallel import PortableState, Strategy
 from sdp.run.trainer_config import TrainerConfig
 from sdp.rundir import CHECKPOINTS, write_error, write_json_atomic
@@ -155,13 +157,16 @@ class CheckpointTarget:
 @dataclass(frozen=True)
 class SavedState:
     """What a checkpoint is read from, and where this rank runs: the strategy gathers the portable
-    state of the model and `optimizer`; `scheduler` is the lr schedule."""
+    state of the model and `optimizer`; `scheduler` is the lr schedule; `outer`, an outer loop
+    (outer=diloco), whose synced weights are the checkpoint's model and whose momentum and
+    per-rank window (local weights, buffers, inner optimizer state) go with it."""
 
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     world: dist.World
     device: torch.device
+    outer: OuterLoop | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class _Prepared:
     tmp: Path
     error: str | None
     portable: PortableState
+    outer: tuple[dict, dict] | None = None  # OuterLoop.checkpoint's (momentum, this rank's window)
 
 
 def write_checkpoint(
@@ -227,8 +233,12 @@ def _prepare(target: CheckpointTarget, state: SavedState, step: int) -> _Prepare
         except OSError as err:
             error = f"rank 0: {write_error(err, tmp)}"
     error = dist.broadcast_object(error)
-    portable = state.strategy.portable_state(state.optimizer)  # collective: every rank, whatever happened above
-    return _Prepared(final, tmp, error, portable)
+    # Collective: every rank, whatever happened above. The model is the synced one (an outer
+    # loop's theta_prev); each rank's own window is saved beside it.
+    with state.outer.synced() if state.outer is not None else contextlib.nullcontext():
+        portable = state.strategy.portable_state(state.optimizer)
+    outer = state.outer.checkpoint(state.optimizer) if state.outer is not None else None
+    return _Prepared(final, tmp, error, portable, outer)
 
 
 def _write_part(prepared: _Prepared, state: SavedState, *, step: int, measured) -> tuple[dict, str | None]:
@@ -241,6 +251,9 @@ def _write_part(prepared: _Prepared, state: SavedState, *, step: int, measured) 
         saved = _rank_state(
             step, prepared.portable, state.scheduler, world=world, device=state.device, measured=measured
         )
+        if prepared.outer is not None:
+            momentum, window = prepared.outer
+            saved["outer"] = {"momentum": {n: momentum[n] for n in _share(momentum, world)}, "window": window}
         return {path.name: _write(saved, path)}, None
     except Exception as err:  # noqa: BLE001 - reported to every rank in phase 3, then training goes on
         return {}, f"rank {world.rank}: {write_error(err, path)}"

@@ -12,6 +12,7 @@ import torch
 
 from sdp import dist, rundir
 from sdp.errors import ConfigError
+from sdp.outer import check_resize
 from sdp.run.checkpoint import complete_checkpoints
 from sdp.run.config import RunConfig, typed_config, validate
 from sdp.run.resume import Resume, check_resume
@@ -106,6 +107,16 @@ def preflight(overrides: list[str], world: dist.World) -> Checked:
         cfg = typed_config(overrides)
         plan = validate(cfg, world_size=world.world_size, offline=dist.hub_offline())
         check_machine(cfg)
-        return Checked(cfg, check_run_dir(cfg), plan)
+        resume = check_run_dir(cfg)
     except ConfigError as err:
         raise (resize_refusal(overrides, err, world_size=world.world_size) or err) from None
+    if resume is not None and resume.candidates:  # the newest one; an older one is checked when loaded
+        newest = resume.candidates[0]
+        check_resize(
+            cfg.outer,
+            run_dir=cfg.run_dir,
+            step=newest.step,
+            before=newest.meta["world_size"],
+            world_size=world.world_size,
+        )
+    return Checked(cfg, resume, plan)

@@ -241,13 +241,23 @@ def read_portable(ckpt: Checkpoint) -> tuple[PortableState, list[dict]]:
     return PortableState(model, optim, main["scalars"], main["groups"]), parts
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What a resume restored besides the model: this rank's saved measurements (None on another
+    world size: they described other ranks) and an outer loop's state (None without one): the
+    momentum in plain coordinates and this rank's own window (None on another world size)."""
+
+    measured: dict | None
+    outer_momentum: dict[str, torch.Tensor] | None = None
+    outer_window: dict | None = None
+
+
 @torch.no_grad()
 def load_checkpoint(
     ckpt: Checkpoint, *, strategy, optimizer: torch.optim.Optimizer, scheduler, world: dist.World, device, seed: int
-) -> dict | None:
+) -> Loaded:
     """Collective: restore the model, the optimizer state and the lr schedule of step ckpt.step,
-    cut for this rank by its strategy, on this world size or another. Returns this rank's saved
-    measurements (None on another world size: they described other ranks)."""
+    cut for this rank by its strategy, on this world size or another."""
     state, parts = read_portable(ckpt)
     try:
         strategy.load_portable_state(optimizer, state)
@@ -257,11 +267,14 @@ def load_checkpoint(
             "resumes only with the model it was checkpointed with)"
         ) from err
     scheduler.load_state_dict(parts[0]["scheduler"])
-    if ckpt.meta["world_size"] == world.world_size:
+    same = ckpt.meta["world_size"] == world.world_size
+    momentum = {n: t for part in parts for n, t in part["outer"]["momentum"].items()} if "outer" in parts[0] else None
+    window = parts[world.rank]["outer"]["window"] if same and momentum is not None else None
+    if same:
         _set_rng_state(parts[world.rank]["rng"], device)
-        return parts[world.rank].get("measured")
+        return Loaded(parts[world.rank].get("measured"), momentum, window)
     _seed_streams(seed, rank=world.rank, step=ckpt.step, device=device)
-    return None
+    return Loaded(None, momentum, window)
 
 
 def _seed_streams(seed: int, *, rank: int, step: int, device: torch.device) -> None:

@@ -18,7 +18,7 @@ from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.logger import RunLogger
 from sdp.optim import build_optimizer, build_scheduler
-from sdp.outer import is_outer
+from sdp.outer import check_resize, is_outer
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import view_of
 from sdp.parallel import Strategy
@@ -265,27 +265,42 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
     torch.manual_seed(cfg.seed + world.rank)
     optimizer = build_optimizer(strategy.trainable(), cfg.optim, device=device)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
-    measured = None
+    loaded = None
     if ckpt:
-        measured = load_checkpoint(
+        loaded = load_checkpoint(
             ckpt, strategy=strategy, optimizer=optimizer, scheduler=scheduler, world=world, device=device, seed=cfg.seed
         )
         before = ckpt.meta["world_size"]
         resized = f", re-cut from {before} processes for {world.world_size}" if before != world.world_size else ""
         dist.print0(world, f"resumed from {ckpt.path} (step {start_step}{resized})")
-    return Built(data, micro, comm, strategy, optimizer, scheduler, measured, _outer_loop(cfg, strategy, comm, device))
+    outer = _outer_loop(cfg, strategy, comm, device, optimizer=optimizer, ckpt=ckpt, loaded=loaded, world=world)
+    measured = loaded.measured if loaded else None
+    return Built(data, micro, comm, strategy, optimizer, scheduler, measured, outer)
 
 
-def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device: torch.device) -> OuterLoop | None:
-    """Collective: outer=diloco's loop over `strategy`, its holders started alike; None without one."""
+def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device, *, optimizer, ckpt, loaded, world):
+    """Collective: outer=diloco's loop over `strategy` (None without one): a new run's holders
+    started alike, a resumed run's outer state restored from what `load_checkpoint` read of `ckpt`
+    (on another world size, only at a sync boundary: the preflight checked the newest checkpoint,
+    this is the one chosen, an older one when the newest was damaged)."""
     if not is_outer(cfg.outer):
         return None
     par = cfg.parallelism
     view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=par.bucket_cap_mb)
     outer = OuterLoop(
-        cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=par.bucket_cap_mb
+        cfg.outer,
+        view,
+        device=device,
+        comm=comm,
+        max_steps=cfg.trainer.max_steps,
+        bucket_cap_mb=par.bucket_cap_mb,
     )
-    outer.start()
+    if loaded is None:
+        outer.start()
+        return outer
+    before = ckpt.meta["world_size"]
+    check_resize(cfg.outer, run_dir=cfg.run_dir, step=ckpt.step, before=before, world_size=world.world_size)
+    outer.restore(optimizer, loaded.outer_momentum or {}, loaded.outer_window)
     return outer
 
 
@@ -306,7 +321,7 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
         tcfg, run_dir=run_dir, config=cfg.record, extra_meta={"wandb_id": logger.wandb_id, "resumes": summary.resumes}
     )
     strategy, optimizer = built.strategy, built.optimizer
-    state = SavedState(strategy, optimizer, built.scheduler, world=world, device=device)
+    state = SavedState(strategy, optimizer, built.scheduler, world=world, device=device, outer=built.outer)
     loop = Loop(
         strategy=strategy,
         data=built.data,
