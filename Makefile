@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus plans plan-check tables rho soak
+.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus plans plan-check tables rho soak lowcomm
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -100,6 +100,11 @@ lint: setup
 # rerun, so the ~3.5 hours can be spread over several calls).
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
+
+# The low-communication comparison: DDP, DiLoCo (H = 10, 50) and SDP with and without DiLoCo, 4 CPU
+# processes, seeds 0-2, both tables' models and data (scripts/lowcomm.py; results/lowcomm, docs/lowcomm.md).
+lowcomm: setup
+	$(PY) scripts/lowcomm.py --runs outputs/lowcomm --out results/lowcomm
 
 # The spectral gap against convergence: K = 4, C = 0.5, cyclic / random / blocked masks (21 runs, about 1.7 hours on 2 cores).
 rho: setup

@@ -7,6 +7,7 @@ import pytest
 import yaml
 from wandb_records import offline_run
 
+from sdp.analysis import lowcomm
 from sdp.analysis.tables import _quality, build_rows, collect, find_runs, variant_label
 from sdp.collect import main
 from sdp.rundir import Summary
@@ -93,6 +94,39 @@ def test_labels_name_the_paper_variants_and_stacked_methods():
     mixed = {"masking": "forward", "granularity": "neuron", "mask": {"capacity": [1.0, 1.0, 0.5, 0.5]}}
     assert label(**mixed) == "N-SDP forward capacity [1,1,0.5,0.5]"
     assert label(**{**mixed, "mask": {"capacity": [0.5] * 4}}) == "N-SDP forward"
+    # An outer loop is its own row, with its H (and P where the model syncs in fragments).
+    diloco = {"name": "diloco", "sync_every": 10, "fragments": 1}
+    assert label(masking="none", outer=diloco) == "DDP + DiLoCo(H=10)"
+    assert (
+        label(**mixed, outer={**diloco, "fragments": 2}) == "N-SDP forward capacity [1,1,0.5,0.5] + DiLoCo(H=10, P=2)"
+    )
+    assert label(masking="none", outer={"name": "none"}) == "DDP"
+
+
+def test_the_lowcomm_table_counts_each_workers_bytes_over_the_run_and_the_outer_state(tmp_path):
+    outer = {"name": "diloco", "sync_every": 10, "fragments": 1, "backup_device": "cpu", "syncs": 1}
+    _run(tmp_path, "ddp", comm_bytes_per_step_per_rank=[2.0**20, 3 * 2.0**20])
+    memory = {"params_bytes": GIB, "grads_bytes": GIB, "optim_bytes": GIB, "outer_backup_bytes": GIB // 2,
+              "outer_momentum_bytes": GIB // 2, "peak_bytes": GIB}  # fmt: skip
+    for seed, acc in ((0, 0.6), (1, 0.7)):
+        _run(tmp_path, f"diloco{seed}", seed=seed, acc=acc, outer=outer, memory=memory,
+             comm_bytes_per_step_per_rank=[2.0**20 / 8] * 4)  # fmt: skip
+    written = lowcomm.write(tmp_path, tmp_path / "out", command="test")
+    assert [p.name for p in written] == [
+        "resnet_tiny_fashion_mnist.md",
+        "resnet_tiny_fashion_mnist.csv",
+        "resnet_tiny_fashion_mnist_bytes.png",
+    ]
+    rows = {r["variant"]: r for r in csv.DictReader(open(written[1]))}
+    assert list(rows) == ["DDP", "DDP + DiLoCo(H=10)"]
+    assert float(rows["DDP"]["sent_mib_per_worker"]) == 30.0  # the busiest rank: 3 MiB a step, 10 steps
+    assert float(rows["DDP + DiLoCo(H=10)"]["sent_mib_per_worker"]) == 1.25
+    assert float(rows["DDP + DiLoCo(H=10)"]["outer_mib_per_rank"]) == 1024.0
+    assert float(rows["DDP + DiLoCo(H=10)"]["quality"]) == pytest.approx(0.65)
+    assert rows["DDP + DiLoCo(H=10)"]["seeds"] == "[0, 1]"
+    assert "| DDP + DiLoCo(H=10) | 0, 1 | 10 | 0.6500 ± 0.0707 | 1.2 | 3072.0 | 1024.0 | cpu | 5 | 1 |" in (
+        written[0].read_text()
+    )
 
 
 def test_collect_writes_markdown_csv_and_plots(tmp_path):

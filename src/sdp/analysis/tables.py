@@ -52,6 +52,7 @@ def variant_label(summary: Summary) -> str:
         activation_checkpointing=summary.activation_checkpointing,
         mixed_precision=summary.mixed_precision,
         capacity=(summary.strategy.get("mask") or {}).get("capacity"),
+        outer=summary.outer,
     )
 
 

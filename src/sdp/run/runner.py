@@ -5,6 +5,7 @@ a sweep's Slurm tasks call `main`."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ def pivot_keys(cfg: RunConfig) -> dict:
         activation_checkpointing=cfg.parallelism.activation_checkpointing,
         mixed_precision=cfg.parallelism.mixed_precision,
         capacity=cfg.masking.capacity,
+        outer=dataclasses.asdict(cfg.outer),
     )
     return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 

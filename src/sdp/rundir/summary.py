@@ -33,9 +33,11 @@ def variant_label(
     activation_checkpointing: str = "none",
     mixed_precision: str = "fp32",
     capacity: list[float] | None = None,
+    outer: dict | None = None,
 ) -> str:
-    """The paper's name of a run's variant, plus the memory-saving methods stacked on it and the
-    workers' capacities when they differ: the tables' rows (`sdp.collect`) and W&B's job_type."""
+    """The paper's name of a run's variant, plus the memory-saving methods stacked on it, the
+    workers' capacities when they differ and an outer loop (`outer`: summary.json's, with name,
+    sync_every and fragments): the tables' rows (`sdp.collect`) and W&B's job_type."""
     if masking == "none":
         label = "FSDP" if parallelism == "fsdp" else "DDP"
     elif masking == "dropout":
@@ -48,6 +50,9 @@ def variant_label(
             label += f" x FSDP({fsdp_degree})"
         if capacity is not None and len(set(capacity)) > 1:
             label += f" capacity {listed(capacity)}"
+    if outer and outer.get("name", "none") != "none":
+        fragments = outer.get("fragments", 1)
+        label += f" + DiLoCo(H={outer['sync_every']}{f', P={fragments}' if fragments > 1 else ''})"
     if activation_checkpointing != "none":
         label += " + AC"
     if mixed_precision == "bf16":

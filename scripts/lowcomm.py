@@ -1,0 +1,63 @@
+"""The low-communication comparison (`make lowcomm`): DDP, DiLoCo and SDP with and without DiLoCo.
+
+    python scripts/lowcomm.py [--runs outputs/lowcomm] [--out results/lowcomm]
+                              [--tables vision language] [--seeds 0 1 2] [OVERRIDES ...]
+
+4 CPU processes (K = 4 workers) on the tables' data and models (scripts/cpu_replica.py's: the
+ResNet on Fashion-MNIST, the LLaMA on the standard library's sources), every row with every seed:
+
+- DDP;
+- DiLoCo (DDP stepping alone, outer Nesterov SGD lr 0.7, momentum 0.9) at H = 10 and 50;
+- N-SDP backward at C = 0.5, without and with DiLoCo at H = 10;
+- N-SDP forward and B-SDP forward at C = 0.5 with DiLoCo at H = 10.
+
+The steps are the tables' (160 and 200, with an evaluation at 80% of them): the runs are not
+converged, and each table's convergence lines say by how much. Completed runs are not rerun, so
+a partial call leaves whole seeds behind; then the tables are rebuilt from every run dir
+(sdp.analysis.lowcomm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from cpu_replica import NPROC, TABLES, table_overrides
+
+from sdp.analysis.lowcomm import write
+from sdp.launching.sweep import run_sweep
+
+DILOCO = ["outer=diloco", "outer.sync_every=10"]
+SWEEPS = {
+    "ddp": ["variant=ddp"],
+    "diloco": ["variant=ddp", "outer=diloco", "outer.sync_every=10,50"],
+    "sdp": ["variant=n_sdp_backward", "masking.coverage=0.5"],
+    "sdp_diloco": ["variant=n_sdp_backward,n_sdp_forward,b_sdp_forward", "masking.coverage=0.5", *DILOCO],
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=Path, default=Path("outputs/lowcomm"))
+    parser.add_argument("--out", type=Path, default=Path("results/lowcomm"))
+    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    args, extra = parser.parse_known_args(argv)
+    failed, start = 0, time.monotonic()
+    for seed in args.seeds:
+        for table in args.tables:
+            for name, sweep in SWEEPS.items():
+                where = args.runs / table / f"seed{seed}" / name
+                jobs = [*table_overrides(table), *extra, *sweep, f"seed={seed}"]
+                rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
+                failed += rc != 0
+            print(f"lowcomm: seed {seed} of {table} done, {(time.monotonic() - start) / 60:.1f} min so far")
+    for path in write(args.runs, args.out, command="python scripts/lowcomm.py (make lowcomm)"):
+        print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
