@@ -17,7 +17,12 @@ VARIANTS = {
     "backward-block": ["masking=backward", "masking.coverage=0.5", "masking.granularity=block"],
     # The estimator's model of DDP's buckets under no_sync, against DDP's reducer.
     "ddp-accumulation": ["masking=none", "trainer.grad_accum_steps=2"],
+    # An outer loop: theta_prev and momentum on the device (in the peaks), and the peak of a sync;
+    # under backward masking with capacities each rank holds its own share of them.
+    "ddp-diloco": ["masking=none", "outer=diloco", "outer.sync_every=2", "outer.backup_device=device"],
+    "backward-diloco": ["masking=backward", "masking.capacity=[1,0.5]", "outer=diloco", "outer.sync_every=2"],
 }
+OUTER_KEYS = ("outer_backup_bytes", "outer_momentum_bytes")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,13 @@ def test_estimator_equals_the_real_run_per_rank(real_runs, estimates, variant):
             assert est["memory"][key] == measured[key], (rank, key)
         # The same step under the same tracker, on fake instead of real tensors.
         assert est["memory"]["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.10)
+        if "diloco" in variant:  # the outer loop's state exactly, and the peak of its sync after step 3
+            for key in OUTER_KEYS:
+                assert est["memory"][key] == measured[key] > 0, (rank, key)
+            assert est["memory"]["sync_peak_bytes"] == pytest.approx(measured["sync_peak_bytes"], rel=0.01)
     assert max(e["flops_per_step"] for e in estimates[variant]) == real["flops_per_step_per_rank"]
+    if variant == "backward-diloco":  # capacities 1 and 0.5: rank 1 holds less of everything
+        assert real["memory_per_rank"][1]["outer_backup_bytes"] < real["memory_per_rank"][0]["outer_backup_bytes"]
     by_kind = real["comm_bytes_per_step_by_kind"]
     for kind in ("grad_sync", "shared_sync"):  # steady-state traffic (the estimator runs no evaluation)
         assert max(e["comm_bytes_per_step_by_kind"][kind] for e in estimates[variant]) == by_kind[kind]

@@ -99,7 +99,9 @@ class LivePeak(TorchDispatchMode):
     largest total from its start to the next mark. Unmarked code is the segment "step".
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra_state=()):
+        """`extra_state`: tensors kept beside the optimizer's state on the device (an outer loop's
+        theta_prev and momentum under outer.backup_device=device), counted as optimizer state."""
         super().__init__()
         self._kind: dict[int, str] = {}
         self._size: dict[int, int] = {}
@@ -117,6 +119,8 @@ class LivePeak(TorchDispatchMode):
         for p in model.parameters():
             self._register(p.grad, "grads")
         self._register_optimizer_state()
+        for t in extra_state:
+            self._register(t, "optimizer")
 
     def _register(self, t, kind: str, *, relabel: bool = False) -> None:
         """Count t's storage as `kind` from now until it is freed; a storage already counted

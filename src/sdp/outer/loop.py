@@ -207,6 +207,17 @@ class OuterLoop:
             p.copy_(t)
         optimizer.load_state_dict(local["inner"])
 
+    def device_state(self) -> list[torch.Tensor]:
+        """theta_prev and the momentum where they count in the device's live peak: with
+        outer.backup_device=device (with cpu they are host memory, reported apart)."""
+        if self.cfg.backup_device != "device":
+            return []
+        return [*self.backup.values(), *self.momentum.values()]
+
+    def first_sync(self, after: int) -> int | None:
+        """The first step at or after `after` with a sync (None: none before the end)."""
+        return next((s for s in range(max(after, 1), self.max_steps + 1) if self.due(s)), None)
+
     def memory(self) -> dict[str, int]:
         """Bytes of theta_prev and of the outer momentum on this rank (on `outer.backup_device`)."""
         return {

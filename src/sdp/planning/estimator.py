@@ -41,6 +41,9 @@ from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
 from sdp.models import build_model
 from sdp.optim import build_optimizer
+from sdp.outer import is_outer
+from sdp.outer.loop import OuterLoop
+from sdp.outer.view import LocalDDPStrategy, view_of
 from sdp.parallel import DDPStrategy, ParallelConfig
 from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
@@ -226,15 +229,16 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
     with dist.fake_process_group(rank, world_size):
         try:
             if not is_sdp(cfg.masking.name):
+                # Under an outer loop DDP steps alone: no reducer to model.
+                ddp = LocalDDPStrategy if is_outer(cfg.outer) else TracedDDP
                 with fake:
-                    strategy = build_strategy(
-                        cfg, world=world, device=device, comm=comm, build=empty_build, ddp=TracedDDP
-                    )
+                    strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build, ddp=ddp)
             else:
                 # The mask and layout are plain integer bookkeeping: they run outside the
                 # fake mode, on the fake model's shapes.
                 strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=fake_build)
             with fake:
+                outer = _outer_loop(cfg, strategy, comm=comm, device=device)
                 optimizer = build_optimizer(strategy.trainable(), cfg.optim)
                 batches = itertools.repeat(dummy_batch(cfg, micro))
                 timer = StepSegments(device)
@@ -245,7 +249,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
                     return train_step(strategy, optimizer, batches, cfg=run, micro=micro, device=device, timer=timer)
 
                 flops, static, (peak, segments), timeline = _profiled_steps(
-                    strategy, optimizer, run_step, comm, segments=timer, head=head
+                    strategy, optimizer, run_step, comm, segments=timer, head=head, outer=outer
                 )
         except ConfigError:
             raise
@@ -286,19 +290,52 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
         "micro_batch": micro,
         "seq_len": cfg.dataset.seq_len if cfg.dataset.kind == "text" else None,
         "n_params": strategy.full_params,
+        # Where an outer loop's state lives: in the device's peaks, or in host memory beside them.
+        "outer_on": ("device" if cfg.outer.backup_device == "device" else "host") if is_outer(cfg.outer) else None,
     }
 
 
+def _outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.device) -> OuterLoop | None:
+    """outer=diloco's loop over the traced strategy, started (theta_prev and the momentum made), as
+    the run builds it; None without one."""
+    if not is_outer(cfg.outer):
+        return None
+    cap = cfg.parallelism.bucket_cap_mb
+    view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=cap)
+    outer = OuterLoop(cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=cap)
+    outer.start()
+    return outer
+
+
+def _sync_peak(strategy, optimizer, outer: OuterLoop) -> dict:
+    """The live peak of an outer sync after a step (gradients still alive), the largest over the
+    fragments (each syncs alone but at the end)."""
+    peaks = []
+    for fragment in range(outer.cfg.fragments):
+        with LivePeak(strategy.model, optimizer, outer.device_state()) as live:
+            outer.sync(fragment)
+        peaks.append(live.breakdown())
+    return max(peaks, key=lambda p: p["total"])
+
+
 def _profiled_steps(
-    strategy, optimizer, run_step, comm: CommCounter, *, segments: StepSegments, head: str | None
+    strategy,
+    optimizer,
+    run_step,
+    comm: CommCounter,
+    *,
+    segments: StepSegments,
+    head: str | None,
+    outer: OuterLoop | None = None,
 ) -> tuple[int, dict, tuple[dict, dict], list[dict]]:
     """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak (as `measure_peak`
     measures it, with the peak of each segment that `segments`, the steps' timer, marks). Step 1 only
     allocates what every later step finds (gradients, optimizer state): one micro-step does
     that as well as all of them, at a fraction of the trace. Step 2's collectives are kept with
     the FLOPs done when each is issued and needed (the step-time model), those it needs itself
-    (issued in it or just before). Returns (FLOPs, static bytes, (peak by kind, peak by kind of
-    each segment), timeline)."""
+    (issued in it or just before). With an outer loop, its state joins the static bytes (and the
+    peak, on the device) and a sync is traced after step 3 for its peak (`sync_peak_bytes`).
+    Returns (FLOPs, static bytes, (peak by kind, peak by kind of each segment), timeline)."""
     comm.timeline = []
     run_step(1)
     comm.discard_step()
@@ -308,10 +345,13 @@ def _profiled_steps(
     comm.position, timeline, comm.timeline = None, comm.timeline, None
     comm.end_step()
     static = strategy.memory(optimizer)
-    live = LivePeak(strategy.model, optimizer)
+    live = LivePeak(strategy.model, optimizer, outer.device_state() if outer else ())
     with torch.compiler.set_stance("force_eager"), live, segments.tracking(live, strategy.model, head):
         run_step()
     comm.end_step()
+    if outer is not None:  # the outer loop's state, and the peak of a sync (a step's gradients alive)
+        static = {**static, **outer.memory(), "sync_peak_bytes": _sync_peak(strategy, optimizer, outer)["total"]}
+        comm.discard_step()
     needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
     return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed
 
@@ -351,6 +391,12 @@ def format_estimate(est: dict) -> str:
         f"{mem['comm_group_bytes'] / max(1, mem['comm_groups']) / 2**20:g} MiB = {mem['comm_group_bytes'] / GIB:.3f} "
         f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
     ]
+    if "outer_backup_bytes" in mem:
+        backup, momentum = mem["outer_backup_bytes"], mem["outer_momentum_bytes"]
+        lines.append(
+            f"  outer    theta_prev {backup / GIB:.3f} + momentum {momentum / GIB:.3f} = {(backup + momentum) / GIB:.3f} "
+            f"GiB on {est['outer_on']}; a sync peaks at {mem['sync_peak_bytes'] / GIB:.3f} GiB"
+        )
     if est["holders"] is not None:
         h = est["holders"]
         lines.append(f"  holders  each unit held by {h['min']}..{h['max']} workers (mean {h['mean']:g})")

@@ -14,6 +14,7 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
+from sdp.outer.loop import OuterLoop
 from sdp.parallel import Strategy
 from sdp.run.trainer_config import TrainerConfig
 from sdp.rundir import figures
@@ -109,15 +110,18 @@ def count_flops(run_step) -> tuple[torch.Tensor, int]:
     return loss, int(flops.get_total_flops())
 
 
-def measure_peak(strategy: Strategy, optimizer: torch.optim.Optimizer, run_step) -> tuple[torch.Tensor, dict]:
-    """Run `run_step()` under the live-tensor tracker; returns its loss and the peak by kind.
+def measure_peak(
+    strategy: Strategy, optimizer: torch.optim.Optimizer, run_step, extra_state=()
+) -> tuple[torch.Tensor, dict]:
+    """Run `run_step()` under the live-tensor tracker; returns its loss and the peak by kind
+    (`extra_state`: see `LivePeak`).
 
     Call it after at least one step, so the optimizer state and the last
     gradients exist and are registered as live when the tracker starts. Compiled blocks run
     eagerly in it (dynamo cannot trace under a dispatch mode): the peak of the eager step,
     an upper bound of the compiled one's (whose CUDA peak is `cuda_max_allocated_bytes`).
     """
-    with torch.compiler.set_stance("force_eager"), LivePeak(strategy.model, optimizer) as peak:
+    with torch.compiler.set_stance("force_eager"), LivePeak(strategy.model, optimizer, extra_state) as peak:
         loss = run_step()
     return loss, peak.breakdown()
 
@@ -169,11 +173,12 @@ class Meter:
         start_step: int,
         units_per_step: int,
         measured: dict | None = None,
-        extra_memory: Callable[[], dict[str, int]] | None = None,
+        outer: OuterLoop | None = None,
     ):
-        """`extra_memory()`: bytes this rank holds beside the strategy's (an outer loop's)."""
+        """`outer`: an outer loop, whose state is counted with the strategy's and whose first sync
+        at or after the peak step is measured under the live-tensor tracker too (`sync_peak`)."""
         self.strategy, self.optimizer, self.device, self.comm = strategy, optimizer, device, comm
-        self.extra_memory = extra_memory
+        self.outer = outer
         self.timer, self.clock = PhaseTimer(device), StepClock(device)
         self.units_per_step = units_per_step
         # The loss summed over this log window's applied steps, and their number, on the device.
@@ -181,8 +186,10 @@ class Meter:
         self.train_loss: float | None = None  # the last logged window's
         measured = measured or {}
         self.memory, self.peak, self.flops = measured.get("memory", {}), measured.get("peak"), measured.get("flops")
+        self.sync_peak = measured.get("sync_peak")
         self._measure_memory = True  # gradients and optimizer state exist from the first step on
         self.flop_step, self.peak_step = profile_steps(profile_step, max_steps)
+        self.sync_step = outer.first_sync(self.peak_step) if outer is not None and self.peak_step else None
         self.first_step = start_step + 1
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -199,7 +206,7 @@ class Meter:
         start_step: int,
         seq_len: int,
         measured: dict | None,
-        extra_memory: Callable[[], dict[str, int]] | None = None,
+        outer: OuterLoop | None = None,
     ) -> Meter:
         """The loop's meter: trainer.profile_step of trainer.max_steps, each step's global batch of
         samples (or of `seq_len` tokens each) the unit of its throughput."""
@@ -213,14 +220,14 @@ class Meter:
             start_step=start_step,
             units_per_step=cfg.global_batch_size * seq_len,
             measured=measured,
-            extra_memory=extra_memory,
+            outer=outer,
         )
 
     def timed(self, step: int) -> bool:
         """Left out of the timings: the profiled steps (the counters slow them down), and a
         compiled model's first step (its compilation)."""
         first_compiled = self.strategy.compiled and step == self.first_step
-        return not (step in (self.flop_step, self.peak_step) or first_compiled)
+        return not (step in (self.flop_step, self.peak_step, self.sync_step) or first_compiled)
 
     def run(self, step: int, run_step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run one step, under the FLOP counter or the live-tensor tracker on the profiled steps."""
@@ -230,7 +237,8 @@ class Meter:
         if step == self.flop_step:
             loss, self.flops = count_flops(run_step)
         elif step == self.peak_step:
-            loss, self.peak = measure_peak(self.strategy, self.optimizer, run_step)
+            extra = self.outer.device_state() if self.outer is not None else ()
+            loss, self.peak = measure_peak(self.strategy, self.optimizer, run_step, extra)
         else:
             loss = run_step()
         return loss
@@ -248,7 +256,7 @@ class Meter:
         self.clock.end(timed=timed)
         if self._measure_memory:
             held = self.strategy.memory(self.optimizer)
-            held.update(self.extra_memory() if self.extra_memory else {})
+            held.update(self.outer.memory() if self.outer is not None else {})
             self.memory = _elementwise_max(self.memory, held)
         self._measure_memory = resampled
 
@@ -266,8 +274,23 @@ class Meter:
         self.applied.zero_()
         return record
 
+    def outer_step(self, step: int) -> None:
+        """After optimizer step `step`: the outer loop's syncs that are due (collective); the first
+        at or after the peak step under the live-tensor tracker, its peak in `sync_peak`."""
+        if step != self.sync_step:
+            self.outer.after_step(step)
+            return
+        extra = self.outer.device_state()
+        with torch.compiler.set_stance("force_eager"), LivePeak(self.strategy.model, self.optimizer, extra) as live:
+            self.outer.after_step(step)
+        self.sync_peak = live.breakdown()
+
+    def _memory(self) -> dict:
+        """The static bytes, and an outer sync's live peak where one was measured."""
+        return {**self.memory, **({"sync_peak_bytes": self.sync_peak["total"]} if self.sync_peak else {})}
+
     def measured(self) -> dict:
-        return {"memory": self.memory, "peak": self.peak, "flops": self.flops}
+        return {"memory": self.memory, "peak": self.peak, "flops": self.flops, "sync_peak": self.sync_peak}
 
     def figures(self, *, world_size: int, precision: str, seq_len: int) -> dict:
         """Collective: the run's speed, memory, FLOP, communication and MFU entries of summary.json."""
@@ -281,7 +304,7 @@ class Meter:
         )
         out.update(
             figures.measurements(
-                self.strategy, self.comm, memory=self.memory, peak=self.peak, flops=self.flops, device=self.device
+                self.strategy, self.comm, memory=self._memory(), peak=self.peak, flops=self.flops, device=self.device
             )
         )
         mfu = figures.mfu_entries(

@@ -338,7 +338,7 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
             start_step=start_step,
             seq_len=seq_len,
             measured=built.measured,
-            extra_memory=built.outer.memory if built.outer else None,
+            outer=built.outer,
         ),
         nonfinite=NonFinitePolicy(
             tcfg, optimizer=optimizer, device=device, start_step=start_step, world=world, logger=logger, run_dir=run_dir

@@ -334,7 +334,7 @@ def _optimizer_step(loop: Loop, run_step: Callable[[], torch.Tensor], *, step: i
     lr = loop.scheduler.get_last_lr()[0]  # the lr this step used
     loop.scheduler.step()
     if loop.outer is not None:  # a sync where one is due, counted in this step's time and bytes
-        loop.outer.after_step(step)
+        loop.meter.outer_step(step)
     resampled = step < max_steps and loop.strategy.resample(step, loop.optimizer)
     if resampled:
         loop.strategy.model.train()
