@@ -392,10 +392,10 @@ def format_estimate(est: dict) -> str:
         f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
     ]
     if "outer_backup_bytes" in mem:
-        backup, momentum = mem["outer_backup_bytes"], mem["outer_momentum_bytes"]
+        backup, momentum, sync = mem["outer_backup_bytes"], mem["outer_momentum_bytes"], mem["sync_peak_bytes"]
         lines.append(
-            f"  outer    theta_prev {backup / GIB:.3f} + momentum {momentum / GIB:.3f} = {(backup + momentum) / GIB:.3f} "
-            f"GiB on {est['outer_on']}; a sync peaks at {mem['sync_peak_bytes'] / GIB:.3f} GiB"
+            f"  outer    theta_prev {backup / GIB:.3f} + momentum {momentum / GIB:.3f} = "
+            f"{(backup + momentum) / GIB:.3f} GiB on {est['outer_on']}; a sync peaks at {sync / GIB:.3f} GiB"
         )
     if est["holders"] is not None:
         h = est["holders"]
