@@ -6,7 +6,16 @@ from conftest import estimator_config
 from sdp.errors import ConfigError
 from sdp.estimate import ddp_overrides, main, parse_args
 from sdp.planning.estimator import estimate
-from sdp.planning.step_time import Cluster, Collective, collective_seconds, load_cluster, place, simulate, step_times
+from sdp.planning.step_time import (
+    Cluster,
+    Collective,
+    collective_seconds,
+    load_cluster,
+    outer_sync_times,
+    place,
+    simulate,
+    step_times,
+)
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "trainer.global_batch_size=16"]
 
@@ -135,3 +144,33 @@ def test_the_estimator_prints_the_step_on_a_cluster(capsys):
     assert "step time on h100_ib: 8 ranks on 2 node(s) of 4" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("  DDP ", "  N-SDP forward C=0.5 "))]
     assert len(rows) == 2 and rows[0][-1] == "1.00"
+
+
+def test_an_outer_loop_spreads_each_windows_syncs_over_its_steps():
+    m = machine(inter_node_latency_us=0.0)
+    # Two fragments, each one 1 GB all-reduce across 2 nodes (1 s at 1 GB/s); H = 10, P = 2: a
+    # fragment's sync every 5 steps. 1 s of compute a step: beside the next 5 steps each sync hides.
+    sync = {"op": "all_reduce", "kind": "outer_sync", "bytes": 10**9, "ranks": [3, 4], "issue": 0.0, "need": -1.0}
+    est = {"outer": {"sync_every": 10, "fragments": 2}, "sync_timelines": [[sync], [sync]]}
+    times = outer_sync_times(est, m, compute_s=1.0)
+    assert times["outer_sync_window_s"] == pytest.approx(2.0)
+    assert times["outer_sync_per_step_s"] == pytest.approx(0.2)
+    assert times["outer_sync_overlapped_per_step_s"] == 0.0
+    # 0.1 s of compute a step: 0.5 s beside each sync leaves 0.5 s of each exposed.
+    assert outer_sync_times(est, m, compute_s=0.1)["outer_sync_overlapped_per_step_s"] == pytest.approx(0.1)
+
+
+def test_diloco_steps_faster_than_ddp_where_the_network_is_slow():
+    # The same 16 ranks on 2 nodes, DDP's all-reduce every step against DiLoCo's every 50 steps.
+    ddp = estimate(estimator_config(TINY, 16), world_size=16, rank=0)
+    diloco = estimate(estimator_config([*TINY, "outer=diloco", "outer.sync_every=50"], 16), world_size=16, rank=0)
+    # A window's pseudo-gradients: every parameter once, in fp32, spread over its 50 steps.
+    assert diloco["comm_bytes_per_step_by_kind"]["outer_sync"] * 50 == pytest.approx(4 * diloco["n_params"])
+    assert diloco["comm_bytes_per_step_by_kind"]["grad_sync"] == 0
+    ratios = {}
+    for name in ("h100_nvlink", "h100_eth10g", "h100_eth1g"):
+        cluster = load_cluster(name)
+        place(cluster, world_size=16, nodes=2)
+        ratios[name] = step_times(diloco, cluster)["step_overlapped_s"] / step_times(ddp, cluster)["step_overlapped_s"]
+    # The slower the link, the larger DiLoCo's gain (a tiny model: DDP's latency shows on NVLink too).
+    assert ratios["h100_eth1g"] < ratios["h100_eth10g"] < ratios["h100_nvlink"] < 1

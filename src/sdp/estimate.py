@@ -21,6 +21,7 @@ from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
+from sdp.outer import is_outer
 from sdp.paths import check_output_file
 from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
 from sdp.planning.step_time import Cluster, format_step_times, load_cluster, place, step_times
@@ -41,7 +42,7 @@ USAGE = Usage(
         ("world_size=K", f"the workers to play, in [1, {MAX_RANKS}] (required, unless cluster= and nodes= give it)"),
         ("rank=busiest", "an integer in [0, K - 1]; busiest (holds the most unit parameters); all (every rank)"),
         ("out=FILE.json", "also write the estimate there"),
-        ("cluster=NAME", "also model the step on conf/cluster/NAME.yaml (cpu_2core, h100_ib, h100_nvlink)"),
+        ("cluster=NAME", "also model the step on conf/cluster/NAME.yaml: h100_nvlink, h100_ib, h100_eth10g, ..."),
         ("nodes=N", "with cluster=: spread the ranks over N nodes"),
         ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster, e.g. a measured efficiency"),
     ],
@@ -111,7 +112,7 @@ def ddp_overrides(overrides: list[str]) -> list[str]:
     out = []
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
-        if key.startswith("masking") or key in ("variant", "trainer.protocol"):
+        if key.startswith(("masking", "outer")) or key in ("variant", "trainer.protocol"):
             continue
         if key.startswith("parallelism") and key not in kept:
             continue
@@ -122,7 +123,7 @@ def ddp_overrides(overrides: list[str]) -> list[str]:
 def cluster_report(args: EstimateArgs, cfg: RunConfig, est: dict) -> tuple[str, list[dict]]:
     """The run's step on args.cluster next to DDP's (traced as well): its text and its rows."""
     runs = [(run_label(cfg), est)]
-    if is_sdp(cfg.masking.name) or cfg.parallelism.name != "ddp":
+    if is_sdp(cfg.masking.name) or cfg.parallelism.name != "ddp" or is_outer(cfg.outer):
         ddp = load_config(ddp_overrides(args.overrides), world_size=args.world_size, offline=True, check_data=False)
         runs.insert(0, ("DDP", estimate(ddp, world_size=args.world_size, rank=0)))
     rows = [{"run": label, **step_times(e, args.cluster)} for label, e in runs]
@@ -130,14 +131,18 @@ def cluster_report(args: EstimateArgs, cfg: RunConfig, est: dict) -> tuple[str, 
 
 
 def run_label(cfg: RunConfig) -> str:
+    outer = ""
+    if is_outer(cfg.outer):
+        fragments = f", P={cfg.outer.fragments}" if cfg.outer.fragments > 1 else ""
+        outer = f" + DiLoCo(H={cfg.outer.sync_every}{fragments})"
     par = "FSDP" if cfg.parallelism.name == "fsdp" and not is_sdp(cfg.masking.name) else "DDP"
     if not is_sdp(cfg.masking.name):
-        return par
+        return par + outer
     variant = f"{cfg.masking.granularity[0].upper()}-SDP {cfg.masking.name} C={cfg.masking.coverage:g}"
     if cfg.masking.capacity is not None:
         variant += f" capacity={listed(cfg.masking.capacity)}"
     f = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
-    return variant + (f" x FSDP(F={f})" if f > 1 else "")
+    return variant + (f" x FSDP(F={f})" if f > 1 else "") + outer
 
 
 def main(argv: list[str] | None = None) -> int:

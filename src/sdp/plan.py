@@ -56,7 +56,7 @@ USAGE = Usage(
     "largest micro-batch, ranked, each row with its sdp.train command.",
     keys=[
         ("devices=...", "required: the GPUs' memory in GiB (2**30 bytes): 8x80, [80,80,24,24] or 4x80+4x24"),
-        ("cluster=NAME", "the step-time model, conf/cluster/NAME.yaml (cpu_2core, h100_ib, h100_nvlink)"),
+        ("cluster=NAME", "the step-time model, conf/cluster/NAME.yaml: h100_nvlink, h100_ib, h100_eth10g, ..."),
         ("nodes=N", "with cluster=: the nodes the GPUs are on"),
         ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster"),
         ("objective=speed", "speed (needs cluster=): the most tokens or samples per second; memory: the lowest peak"),

@@ -135,6 +135,10 @@ class CommCounter:
                 keep.append((step, (begin, end)))
         self._pending = keep
 
+    def current(self) -> dict[str, int]:
+        """The bytes by kind counted since the last step closed."""
+        return dict(self._current)
+
     def discard_step(self) -> None:
         """Forget the bytes of the step under way (the estimator's warm-up step, which is
         shorter than the steps it counts)."""

@@ -157,12 +157,13 @@ class OuterLoop:
             self.comm.add("outer_sync", nbytes)
             self.sent += nbytes
             work = dist.all_reduce(flat, group=self.view.group(b.holders), async_op=True)
-            issued.append((b, flat, work))
+            issued.append((b, flat, work, self.comm.event("all_reduce", "outer_sync", nbytes, b.holders)))
             if self.trace is not None:
                 self.trace.append((b.holders, "outer_sync", (fragment, b.index)))
         with self.comm.waiting():
-            for b, flat, work in issued:
+            for b, flat, work, event in issued:
                 work.wait()
+                self.comm.need(event)
                 _unpack(flat.float().div_(len(b.holders)), b, lambda p: delta[p])
 
     @contextlib.contextmanager

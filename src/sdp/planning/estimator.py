@@ -260,6 +260,9 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
                 f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
             ) from err
     per_step = comm.per_step()
+    syncs, sent = static.pop("syncs", (None, {}))
+    for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
+        per_step[kind] += nbytes / cfg.outer.sync_every
     groups = planned_groups(cfg, world_size=world_size)[rank]
     return {
         **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro),
@@ -268,6 +271,7 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
         "flops_per_step": flops,
         "comm_bytes_per_step": sum(per_step.values()),
         "comm_bytes_per_step_by_kind": per_step,
+        "sync_timelines": syncs,
         "timeline": timeline,
         "precision": cfg.parallelism.mixed_precision,
         "trace_s": round(time.perf_counter() - start, 2),
@@ -292,6 +296,9 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
         "n_params": strategy.full_params,
         # Where an outer loop's state lives: in the device's peaks, or in host memory beside them.
         "outer_on": ("device" if cfg.outer.backup_device == "device" else "host") if is_outer(cfg.outer) else None,
+        "outer": {"sync_every": cfg.outer.sync_every, "fragments": cfg.outer.fragments}
+        if is_outer(cfg.outer)
+        else None,
     }
 
 
@@ -307,15 +314,21 @@ def _outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.de
     return outer
 
 
-def _sync_peak(strategy, optimizer, outer: OuterLoop) -> dict:
-    """The live peak of an outer sync after a step (gradients still alive), the largest over the
-    fragments (each syncs alone but at the end)."""
-    peaks = []
+def _traced_syncs(strategy, optimizer, outer: OuterLoop, comm: CommCounter) -> tuple[dict, list[list[dict]], dict]:
+    """Each fragment's sync after a step (gradients still alive), traced: the largest live peak
+    (each syncs alone, but at the end), every fragment's collectives (the step-time model's) and
+    the bytes this rank sent in a window's syncs, by kind."""
+    peaks, timelines = [], []
     for fragment in range(outer.cfg.fragments):
+        comm.timeline = []
         with LivePeak(strategy.model, optimizer, outer.device_state()) as live:
             outer.sync(fragment)
         peaks.append(live.breakdown())
-    return max(peaks, key=lambda p: p["total"])
+        timelines.append(comm.timeline)
+    comm.timeline = None
+    sent = comm.current()
+    comm.discard_step()
+    return max(peaks, key=lambda p: p["total"]), timelines, sent
 
 
 def _profiled_steps(
@@ -349,9 +362,9 @@ def _profiled_steps(
     with torch.compiler.set_stance("force_eager"), live, segments.tracking(live, strategy.model, head):
         run_step()
     comm.end_step()
-    if outer is not None:  # the outer loop's state, and the peak of a sync (a step's gradients alive)
-        static = {**static, **outer.memory(), "sync_peak_bytes": _sync_peak(strategy, optimizer, outer)["total"]}
-        comm.discard_step()
+    if outer is not None:  # the outer loop's state, and a sync's peak and collectives (a step's gradients alive)
+        peak, syncs, sent = _traced_syncs(strategy, optimizer, outer, comm)
+        static = {**static, **outer.memory(), "sync_peak_bytes": peak["total"], "syncs": (syncs, sent)}
     needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
     return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed
 

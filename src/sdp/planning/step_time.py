@@ -227,7 +227,7 @@ def step_times(est: dict, cluster: Cluster) -> dict:
         precision=est["precision"],
     )
     over, serial = simulate(collectives, **common), simulate(collectives, serial=True, **common)
-    return {
+    out = {
         "compute_s": over.compute_s,
         "optimizer_s": over.optimizer_s,
         "comm_s": over.comm_s,
@@ -236,6 +236,30 @@ def step_times(est: dict, cluster: Cluster) -> dict:
         "step_serial_s": serial.step_s,
         "step_overlapped_s": over.step_s,
         "exposed_by_kind_s": over.by_kind,
+    }
+    if est.get("sync_timelines"):
+        out.update(outer_sync_times(est, cluster, compute_s=over.compute_s))
+        for key in ("step_serial_s", "step_overlapped_s"):  # the runtime waits for each sync
+            out[key] += out["outer_sync_per_step_s"]
+    return out
+
+
+def outer_sync_times(est: dict, cluster: Cluster, *, compute_s: float) -> dict:
+    """An outer loop's syncs on `cluster`: each fragment's collectives one after another (the
+    runtime waits for them after the step), a window's H steps sharing their time; and what a
+    schedule that ran each fragment's sync beside the next H / P steps of compute (Streaming
+    DiLoCo's overlap, which the runtime does not run) would leave exposed."""
+    every, fragments = est["outer"]["sync_every"], est["outer"]["fragments"]
+    per_fragment = [
+        sum(collective_seconds(Collective(r["op"], r["kind"], r["bytes"], tuple(r["ranks"]), 0.0, 0.0), cluster)
+            for r in timeline)
+        for timeline in est["sync_timelines"]
+    ]  # fmt: skip
+    between = every // fragments * compute_s
+    return {
+        "outer_sync_window_s": sum(per_fragment),
+        "outer_sync_per_step_s": sum(per_fragment) / every,
+        "outer_sync_overlapped_per_step_s": sum(max(0.0, t - between) for t in per_fragment) / every,
     }
 
 
@@ -261,4 +285,11 @@ def format_step_times(rows: list[dict], cluster: Cluster, *, world_size: int) ->
             f"{r['exposed_serial_s']:9.4f} / {r['exposed_overlapped_s']:<9.4f}        "
             f"{r['step_serial_s']:8.4f} / {r['step_overlapped_s']:<8.4f}     {r['step_overlapped_s'] / base:6.2f}"
         )
+        if "outer_sync_window_s" in r:
+            window, per_step = r["outer_sync_window_s"], r["outer_sync_per_step_s"]
+            beside = r["outer_sync_overlapped_per_step_s"]
+            lines.append(
+                f"    outer syncs: {window:.4f} s a window, {per_step:.4f} s/step in the steps above "
+                f"({beside:.4f} if each fragment's sync ran beside the next steps)"
+            )
     return "\n".join(lines) + "\n  (seconds per step; exposed: the communication the compute waits for)"
