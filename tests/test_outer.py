@@ -11,6 +11,8 @@ from collective_order import order_problems
 from conftest import job_env, launch, read_run
 from ranks import run_ranks
 
+pytestmark = pytest.mark.dist  # every test here runs a multi-rank job
+
 
 def _harness(scenario: str, nproc: int, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("outer") / f"{scenario}.json"
@@ -98,7 +100,6 @@ RESUMES = {
 }
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("variant", RESUMES)
 def test_a_stop_mid_window_resumes_bitwise(tmp_path, variant):
     overrides = [*RESUMES[variant], *COMMON, "outer=diloco", "outer.sync_every=4", "trainer.progress=false"]
@@ -123,7 +124,6 @@ def test_a_stop_mid_window_resumes_bitwise(tmp_path, variant):
     assert sa["outer"]["syncs"] == 3
 
 
-@pytest.mark.dist
 def test_another_world_size_resumes_at_a_sync_boundary_only(tmp_path):
     overrides = [*RESNET, *COMMON, "outer=diloco", "outer.sync_every=4", "trainer.progress=false"]
     overrides.append(f"run_dir={tmp_path}")
