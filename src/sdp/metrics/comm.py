@@ -135,15 +135,13 @@ class CommCounter:
                 keep.append((step, (begin, end)))
         self._pending = keep
 
-    def current(self) -> dict[str, int]:
-        """The bytes by kind counted since the last step closed."""
-        return dict(self._current)
-
-    def discard_step(self) -> None:
+    def discard_step(self) -> dict[str, int]:
         """Forget the bytes of the step under way (the estimator's warm-up step, which is
-        shorter than the steps it counts)."""
+        shorter than the steps it counts); returns them by kind."""
+        dropped = dict(self._current)
         self._current.clear()
         self._waits.clear()
+        return dropped
 
     def per_step(self) -> dict[str, float]:
         """Mean bytes per step by kind."""

@@ -326,8 +326,7 @@ def _traced_syncs(strategy, optimizer, outer: OuterLoop, comm: CommCounter) -> t
         peaks.append(live.breakdown())
         timelines.append(comm.timeline)
     comm.timeline = None
-    sent = comm.current()
-    comm.discard_step()
+    sent = comm.discard_step()  # a window's bytes, not a step's
     return max(peaks, key=lambda p: p["total"]), timelines, sent
 
 
