@@ -70,13 +70,18 @@ def table_overrides(table: str) -> list[str]:
     ]
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=Path, default=Path("outputs/cpu_replica"))
-    parser.add_argument("--out", type=Path, default=Path("results/cpu_replica"))
+def parse_args(argv: list[str], *, doc: str, name: str) -> tuple[argparse.Namespace, list[str]]:
+    """--runs outputs/NAME, --out results/NAME, --tables, --seeds (0 1 2); the rest are overrides."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--runs", type=Path, default=Path(f"outputs/{name}"))
+    parser.add_argument("--out", type=Path, default=Path(f"results/{name}"))
     parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    args, extra = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, extra = parse_args(argv, doc=__doc__, name="cpu_replica")
     failed, start = 0, time.monotonic()
     for seed in args.seeds:
         for table in args.tables:

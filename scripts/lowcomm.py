@@ -19,12 +19,10 @@ a partial call leaves whole seeds behind; then the tables are rebuilt from every
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
-from cpu_replica import NPROC, TABLES, table_overrides
+from cpu_replica import NPROC, parse_args, table_overrides
 
 from sdp.analysis.lowcomm import write
 from sdp.launching.sweep import run_sweep
@@ -39,12 +37,7 @@ SWEEPS = {
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=Path, default=Path("outputs/lowcomm"))
-    parser.add_argument("--out", type=Path, default=Path("results/lowcomm"))
-    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parse_args(argv, doc=__doc__, name="lowcomm")
     failed, start = 0, time.monotonic()
     for seed in args.seeds:
         for table in args.tables:
