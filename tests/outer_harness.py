@@ -130,6 +130,10 @@ def anchors_sgd() -> dict:
         plain = plain_run(family, SGD_CASES[name], None, steps=3, optim=SGD)
         outer = plain_run(family, SGD_CASES[name], identity, steps=3, optim=SGD)
         out[f"{family}-{name}"] = max(gathered(max_rel_diff(outer, plain)))
+    # The pseudo-gradients on the wire in bf16: the same run within bf16's rounding of them.
+    plain = plain_run("llama", None, None, steps=3, optim=SGD)
+    wire = plain_run("llama", None, {**identity, "comm_dtype": "bf16"}, steps=3, optim=SGD)
+    out["llama-ddp-bf16-wire"] = max(gathered(max_rel_diff(wire, plain)))
     return out
 
 
