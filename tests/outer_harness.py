@@ -122,10 +122,12 @@ SGD_CASES = {
 def anchors_sgd() -> dict:
     """K = 4, inner SGD without momentum, H = 1, outer lr 1 and no momentum, 3 steps: the largest
     difference from the plain DDP or SDP run relative to each tensor's largest entry (the LLaMA
-    under every masking mode and granularity, the ResNet under DDP and forward neuron SDP)."""
+    under every masking mode and granularity, the ResNet under DDP and forward neuron SDP, the
+    Swin under backward neuron and forward block SDP)."""
     identity = {"sync_every": 1, "lr": 1.0, "momentum": 0.0}
     out = {}
     cases = [("llama", name) for name in SGD_CASES] + [("resnet", "ddp"), ("resnet", "forward-neuron")]
+    cases += [("swin", "backward-neuron"), ("swin", "forward-block")]
     for family, name in cases:
         plain = plain_run(family, SGD_CASES[name], None, steps=3, optim=SGD)
         outer = plain_run(family, SGD_CASES[name], identity, steps=3, optim=SGD)

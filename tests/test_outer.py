@@ -40,7 +40,7 @@ def test_one_worker_with_lr_1_and_no_momentum_is_the_plain_run_bitwise(one):
 def test_h1_sgd_with_lr_1_and_no_momentum_is_the_plain_run_within_rounding(four):
     sgd = dict(four["sgd"])
     wire = sgd.pop("llama-ddp-bf16-wire")
-    assert len(sgd) == 7
+    assert len(sgd) == 9
     for case, rel in sgd.items():
         assert rel < 1e-5, case
     # outer.comm_dtype=bf16 rounds the pseudo-gradients (8 bits of mantissa), not the weights.
