@@ -88,7 +88,7 @@ def validate_outer_with(
         raise ConfigError(
             "parallelism",
             parallelism,
-            f"with outer={cfg.name}: the outer loop runs over parallelism=ddp (plain, or SDP's masking=backward|"
+            f"with outer={cfg.name}: the outer loop runs over parallelism=ddp (plain, or SDP's masking=backward or "
             "forward); FSDP shards every tensor over the ranks, so no rank holds a worker's whole tensors to step "
             "alone; allowed: parallelism=ddp",
         )
