@@ -24,6 +24,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.models import blocks
 from sdp.parallel import DDPStrategy, Strategy, host
 from sdp.subnet.groups import HolderGroups
+from sdp.subnet.plan import block_index
 from sdp.subnet.resample import place_state
 from sdp.subnet.strategy import SDPStrategy
 from sdp.subnet.sync import GradEntry, Piece, broadcast_from_holders
@@ -77,8 +78,7 @@ def _ddp_view(strategy: DDPStrategy, *, family: str) -> OuterView:
     trainable = [p for p in named.values() if p.requires_grad]
     entries = [GradEntry(world, "grad_sync", Piece(p, None), n) for n, p in named.items() if p.requires_grad]
     groups = HolderGroups([world], world_size=len(world))
-    paths = [path for path, _ in blocks(model, family=family)]
-    block_of = {n: next((i for i, b in enumerate(paths) if n.startswith(b + ".")), -1) for n in named}
+    block_of = block_index(named, [path for path, _ in blocks(model, family=family)])
     name_of = {id(p): n for n, p in named.items()}
 
     def gather(state: dict) -> dict:  # every rank holds every tensor: its own values are the plain ones

@@ -126,8 +126,7 @@ class SubnetPlan:
     @cached_property
     def block_of(self) -> dict[str, int]:
         """The block each parameter belongs to (-1: none)."""
-        paths = self.block_paths
-        return {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), -1) for n in self.shapes}
+        return block_index(self.shapes, self.block_paths)
 
     def enclosing_block(self, path: str) -> str:
         """The block `path` is in (itself when in none)."""
@@ -285,3 +284,8 @@ def _check_every_worker_holds_neurons(plan: SubnetPlan) -> None:
                     f"units); raise {'its capacity' if plan.cfg.capacity else 'the coverage'}, use fewer workers "
                     "or masking.granularity=block",
                 )
+
+
+def block_index(names, paths) -> dict[str, int]:
+    """Each plain tensor name's block: its index among the block `paths` (-1: in none)."""
+    return {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), -1) for n in names}
