@@ -79,10 +79,13 @@ mixed-gpus: setup
 	$(PY) scripts/mixed_gpus.py --text
 
 PLAN = $(PY) -m sdp.plan experiment=llama_1b_fineweb top=8
+LOWCOMM_PLAN = $(PY) -m sdp.plan experiment=llama_134m_fineweb outer=diloco devices=8x80 precision=bf16 checkpointing=none granularity=neuron top=8
 plans: setup
 	$(PLAN) devices=8x80 cluster=h100_nvlink out=results/plan/nvlink
 	$(PLAN) devices=8x24 cluster=h100_ib nodes=2 out=results/plan/ib
 	$(PLAN) devices=4x80+4x24 cluster=h100_nvlink out=results/plan/mixed
+	$(LOWCOMM_PLAN) cluster=h100_nvlink out=results/plan/lowcomm_h100_nvlink
+	$(LOWCOMM_PLAN) cluster=h100_eth1g nodes=2 out=results/plan/lowcomm_h100_eth1g
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --sample 3
 
 plan-check: setup  # every row of the 8 x 80 GB plan against a whole trace (~10 min here)

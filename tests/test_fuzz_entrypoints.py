@@ -341,10 +341,13 @@ def plan_cases() -> list[tuple[str, str, object]]:
             if not any(e.startswith(("--config-dir", "run_dir", "output_root", "name", "dataset.")) for e in extra):
                 cases.append(("plan", cls, lambda a=[*TEXT, *PLAN, *extra]: sdp.plan.main(a)))
     own = {
-        "ranges": [["devices=0x80"], ["devices=2x0"], ["min_coverage=0"], ["min_coverage=2"], ["top=0"], ["workers=0"]],
+        "ranges": [
+            ["devices=0x80"], ["devices=2x0"], ["min_coverage=0"], ["min_coverage=2"], ["top=0"], ["workers=0"],
+            ["outer=diloco", "sync_every=0"],
+        ],
         "types": [
             ["devices=abc"], ["devices=[80,x]"], ["objective=fast"], ["coverages=some"], ["granularity=atom"],
-            ["precision=fp16"], ["checkpointing=some"], ["min_coverage=x"], ["top=x"],
+            ["precision=fp16"], ["checkpointing=some"], ["min_coverage=x"], ["top=x"], ["outer=diloco", "sync_every=x"],
         ],
         "C-type limits": [[f"devices={2**64}x80"], [f"devices=2x{2**64}"], [f"top={2**64}"], [f"workers={2**63}"]],
         "not finite": [
@@ -354,7 +357,8 @@ def plan_cases() -> list[tuple[str, str, object]]:
         "paths": [["out=/etc/passwd"], ["out=/proc/x"]],
         "contradictions": [
             ["world_size=8"], ["masking=forward"], ["trainer.grad_accum_steps=2"], ["cluster.efficiency=0.5"],
-            ["cluster=h100_ib", "nodes=3"], ["nodes=2"], ["devices=3x80"],
+            ["cluster=h100_ib", "nodes=3"], ["nodes=2"], ["devices=3x80"], ["sync_every=10"],
+            ["outer=diloco", "outer.sync_every=10"],
         ],
     }  # fmt: skip
     for cls, items in own.items():
@@ -467,4 +471,4 @@ def test_every_key_of_the_typed_config_is_fuzzed():
 
 @pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 5 min")
 def test_every_case_of_every_entrypoint_is_refused_in_one_line(tmp_path, sentinels):
-    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1169 + 2 * 566  # every case, each refused
+    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1236 + 2 * 566  # every case, each refused

@@ -49,6 +49,22 @@ GLOO = "parallelism.comm_group_overhead_mb=0"  # gloo's process groups take no d
             "error: precision='fp16': must be a comma list of fp32, bf16",
         ),
         (
+            ["devices=4x80", "objective=memory", "sync_every=10"],
+            "error: sync_every='10': needs outer=diloco: the H it searches",
+        ),
+        (
+            ["devices=4x80", "objective=memory", "outer=diloco", "sync_every=0,10"],
+            "error: sync_every='0,10': must be a comma list of distinct integers >= 1 (outer=diloco's H)",
+        ),
+        (
+            ["devices=4x80", "outer=diloco", "outer.sync_every=10"],
+            "error: outer.sync_every='10': is the planner's to choose; narrow it with sync_every=",
+        ),
+        (
+            ["devices=4x80", "objective=memory", "outer=diloco", "outer.lr=0"],
+            "error: outer.lr=0.0: must be a finite number > 0 (DiLoCo's: 0.7)",
+        ),
+        (
             ["devices=3x80", "objective=memory"],
             "error: trainer.global_batch_size=16: must be divisible by world_size x grad_accum_steps = 3 x 1 = 3",
         ),

@@ -39,6 +39,27 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
     assert line["comm_bytes_per_step"] == pytest.approx(whole["comm_bytes_per_step"], rel=0.02)
 
 
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        (["parallelism.mixed_precision=bf16"], 0),
+        (["masking=forward", "masking.coverage=0.5", "outer.backup_device=device"], 1),
+        (["masking=backward", "masking.coverage=0.5"], 2),
+    ],
+)
+def test_an_outer_loops_state_and_sync_are_on_the_line_too(overrides, rank):
+    cfg = estimator_config([*TINY, "outer=diloco", "outer.sync_every=10", *overrides], 4)
+    whole, line = estimate(cfg, world_size=4, rank=rank), layered_estimate(cfg, world_size=4, rank=rank)
+    assert line["method"] == "layers 3 and 4, extended to 6"
+    for key in ("outer_backup_bytes", "outer_momentum_bytes", "sync_peak_bytes", "peak_bytes"):
+        assert line["memory"][key] == whole["memory"][key], key
+    assert whole["memory"]["sync_peak_bytes"] > whole["memory"]["params_bytes"]  # not a 4-layer figure
+    # A sync's bytes: exact but where backward masking's senders turn from layer to layer.
+    sent, expected = line["outer"]["bytes_per_sync"], whole["outer"]["bytes_per_sync"]
+    assert sent.keys() == expected.keys() and sent["outer_sync"] == expected["outer_sync"]
+    assert sum(sent.values()) == pytest.approx(sum(expected.values()), rel=0.02)
+
+
 def test_each_segment_of_the_step_is_extended_on_its_own():
     # Backward masking under full AC: at 3 and 4 layers the step peaks while clipping (a float64
     # copy of the LM head's gradient), at 12 after the step, where the weight refresh's receive
@@ -82,7 +103,11 @@ def test_a_mask_that_holds_more_in_some_layers_is_traced_whole():
 
 @pytest.mark.parametrize(
     "overrides",
-    [["masking=forward", "masking.granularity=block", "masking.coverage=0.5"], ["model.num_layers=4"]],
+    [
+        ["masking=forward", "masking.granularity=block", "masking.coverage=0.5"],
+        ["model.num_layers=4"],
+        ["outer=diloco", "outer.sync_every=10", "outer.fragments=2"],  # the largest fragment is no line
+    ],
 )
 def test_what_the_line_cannot_carry_is_traced_whole(overrides):
     cfg = estimator_config([*TINY, *overrides], 4)

@@ -5,9 +5,11 @@ from conftest import estimator_config
 
 from sdp.errors import ConfigError
 from sdp.planning.estimator import estimate
-from sdp.planning.fit import GIB
-from sdp.planning.search import Composer, families, verify
-from sdp.planning.space import Structure, structures
+from sdp.planning.fit import GIB, fit, fit_peak
+from sdp.planning.report import ranked, row
+from sdp.planning.search import Composer, families, search, verify
+from sdp.planning.space import Structure, outer_free, structures
+from sdp.planning.step_time import load_cluster, place
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
 
@@ -67,3 +69,98 @@ def test_verify_puts_whole_traces_in_place_of_the_lines_peaks():
     assert out["method"] == "traced whole (verified)"
     tight = verify(row, cfg, devices=[whole / GIB / 1.01] * 2)  # 1% too small
     assert not tight["fits"] and tight["headroom"] == pytest.approx(-0.01, abs=1e-4)
+
+
+def test_an_outer_loops_copies_are_the_configs_the_entrypoint_loads():
+    # The user's outer loop (here 2 fragments) on the outer rows, none on the plain ones; an H the
+    # fragments do not divide is refused as sdp.train refuses it.
+    overrides = [*TINY, "outer=diloco", "outer.lr=0.5", "outer.fragments=2"]
+    compose = Composer(overrides, world=4)
+    space = [Structure(), Structure(sync_every=1), Structure(sync_every=10)]
+    space += [Structure(masking="backward", coverage=0.5, sync_every=10), Structure(parallelism="fsdp")]
+    for s in space:
+        own = overrides if s.sync_every is not None else outer_free(overrides)
+        try:
+            expected = estimator_config([*own, *s.overrides()], 4)
+        except ConfigError as err:
+            with pytest.raises(ConfigError) as info:
+                compose(s)
+            assert str(info.value) == str(err) and s.sync_every == 1
+            assert str(err).startswith("outer.fragments=2: must divide outer.sync_every=1")
+            continue
+        got = compose(s)
+        assert got == expected and got.record == expected.record, s.label
+        assert got.outer.name == ("none" if s.sync_every is None else "diloco")
+
+
+@pytest.fixture(scope="module")
+def slow_and_fast():
+    """DDP without and with an outer loop (H = 10, 100) searched on one NVLink node of 8 and on
+    2 nodes of 8 over 1 Gb/s: each outer loop fitted once, its other H derived."""
+    space = [Structure(), Structure(sync_every=10), Structure(sync_every=100)]
+    out = {}
+    for name, world in (("h100_nvlink", 8), ("h100_eth1g", 16)):
+        cluster = load_cluster(name)
+        place(cluster, world_size=world, nodes=world // 8)
+        # 4096 tokens a rank: the step's compute, not the links' latency, is most of it on NVLink.
+        batch = ["dataset.seq_len=256", f"trainer.global_batch_size={16 * world}"]
+        compose = Composer([*TINY, *batch, "outer=diloco"], world=world)
+        outcomes = search(space, compose=compose, devices=[80.0] * world, cluster=cluster, workers=1)
+        out[name] = (outcomes, compose, cluster)
+    return out
+
+
+def test_an_outer_loop_at_another_h_is_derived_from_one_fit(slow_and_fast):
+    outcomes, compose, cluster = slow_and_fast["h100_eth1g"]
+    plain, h10, h100 = outcomes
+    assert h100.lead == h10.structure and h100.found.probes == 0 and h10.lead is None
+    direct = fit(compose(h100.structure), devices=[80.0] * 16, cluster=cluster)  # fitted as a lead would be
+    got = h100.found
+    assert (got.micro, got.accum, got.peaks) == (direct.micro, direct.accum, direct.peaks)
+    for key in ("step_overlapped_s", "step_serial_s", "outer_sync_per_step_s", "outer_sync_window_s"):
+        assert got.step[key] == pytest.approx(direct.step[key], rel=1e-12), key
+    (rank,) = got.estimates
+    a, b = got.estimates[rank], direct.estimates[rank]
+    assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-12)
+    assert a["outer"] == b["outer"] and a["outer"]["sync_every"] == 100
+    # A window's bytes over its H steps: H = 100 sends a tenth of H = 10's per step.
+    assert h10.found.estimates[rank]["comm_bytes_per_step"] == pytest.approx(10 * a["comm_bytes_per_step"])
+    assert got.peaks[rank] == fit_peak(b)
+    # A GPU must hold the step's peak or a sync's (every pseudo-gradient and its buckets alive),
+    # whichever is higher, with the communicators.
+    sync = {"peak_bytes": 10, "sync_peak_bytes": 30, "peak_with_comm_groups_bytes": 15}
+    assert fit_peak({"memory": sync}) == 35 and fit_peak({"memory": {**sync, "sync_peak_bytes": 3}}) == 15
+
+
+def test_on_a_slow_link_the_top_row_communicates_less_and_on_nvlink_the_usual_one(slow_and_fast):
+    tops = {}
+    for name, (outcomes, _, _) in slow_and_fast.items():
+        facts = {"overrides": TINY, "world": 16, "protocol": "same_iteration", "unit": "tokens", "per_step": 1}
+        rows = [row(o, run=facts, cluster_nodes=1) for o in outcomes]
+        tops[name] = [r["run"] for r in ranked(rows, objective="speed")]
+        sent = {r["run"]: r["comm_bytes_per_step"] for r in rows}
+        # Each row states its bytes per step: a sync sends what a DDP step does, once a window.
+        assert sent["DDP"] == 10 * sent["DDP + DiLoCo(H=10)"] > 0  # H = 10: fitted
+        assert sent["DDP + DiLoCo(H=100)"] == pytest.approx(sent["DDP"] / 100, rel=1e-12)  # derived
+    assert tops["h100_nvlink"][0] == "DDP"
+    assert tops["h100_eth1g"] == ["DDP + DiLoCo(H=100)", "DDP + DiLoCo(H=10)", "DDP"]
+
+
+def _row(run: str, step: float, sync_every: int | None) -> dict:
+    return {"run": run, "fits": True, "headroom": 0.5, "step_s": step, "structure": {"sync_every": sync_every}}
+
+
+@pytest.mark.parametrize(
+    "steps,order",
+    [
+        ((1.00, 0.97, 0.95), ["plain", "H=10", "H=100"]),  # within 10%: fewer local steps first
+        ((1.00, 0.85, 0.80), ["H=10", "H=100", "plain"]),  # H=10 saves 15%; H=100 not 10% more
+        ((3.00, 1.30, 1.05), ["H=100", "H=10", "plain"]),
+    ],
+)
+def test_more_local_steps_rank_first_only_where_they_save_a_tenth_of_the_step(steps, order):
+    names, local = ("plain", "H=10", "H=100"), (None, 10, 100)
+    rows = [_row(name, step, h) for name, step, h in zip(names, steps, local, strict=True)]
+    assert [r["run"] for r in ranked(rows, objective="speed")] == order
+    same = [_row("H=10", 1.0, 10), _row("plain", 1.0, None)]
+    assert [r["run"] for r in ranked(same, objective="memory")] == ["plain", "H=10"]

@@ -113,3 +113,37 @@ def test_every_structure_is_a_config_the_entrypoint_checks():
     capacities = [label for label in refused if "capacity" in label]
     assert len(capacities) == 6 and all(label.startswith("N-SDP") for label in capacities)
     assert all("less than one" in refused[label] for label in capacities)
+
+
+def test_an_outer_loop_is_weighed_at_each_h_beside_each_ddp_and_sdp_structure():
+    space = structures(
+        [80.0] * 4,
+        min_coverage=0.5,
+        granularities=("neuron",),
+        precisions=("fp32",),
+        checkpointing=("none",),
+        sync_every=(10, 50),
+    )
+    local = [" + DiLoCo(H=10)", " + DiLoCo(H=50)"]
+    sdp = [f"N-SDP {mode} C={c}" for mode in ("backward", "forward") for c in ("0.75", "0.5")]
+    expected = ["DDP", *("DDP" + h for h in local), "FSDP"]  # FSDP refuses an outer loop: never weighed with one
+    expected += [label + h for label in sdp for h in ("", *local)] + ["N-SDP forward C=0.5 x FSDP(2)"]
+    assert [s.label for s in space] == expected
+
+
+def test_an_outer_rows_command_keeps_the_users_outer_loop_and_a_plain_rows_drops_it():
+    base = ["model=llama_tiny", "dataset=synthetic_text", "outer=diloco", "outer.lr=0.5", "trainer.max_steps=40"]
+    outer = command(base, Structure(masking="forward", coverage=0.5, sync_every=10), nproc=4, accum=1)
+    assert outer == (
+        "python -m sdp.train --nproc-per-node=4 model=llama_tiny dataset=synthetic_text outer=diloco outer.lr=0.5 "
+        "trainer.max_steps=40 masking=forward masking.granularity=neuron masking.coverage=0.5 parallelism=ddp "
+        "outer.sync_every=10 trainer.grad_accum_steps=1"
+    )
+    cfg = load_config(shlex.split(outer)[4:], world_size=4, offline=True, check_data=False)
+    assert (cfg.outer.name, cfg.outer.sync_every, cfg.outer.lr) == ("diloco", 10, 0.5)
+    plain = command(base, Structure(), nproc=4, accum=1)
+    assert plain == (
+        "python -m sdp.train --nproc-per-node=4 model=llama_tiny dataset=synthetic_text trainer.max_steps=40 "
+        "masking=none parallelism=ddp trainer.grad_accum_steps=1"
+    )
+    assert load_config(shlex.split(plain)[4:], world_size=4, offline=True, check_data=False).outer.name == "none"

@@ -15,6 +15,7 @@ accumulation) is refused on its command line, with the planner's own key that na
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -24,19 +25,20 @@ from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
+from sdp.outer import is_outer
 from sdp.paths import check_writable
 from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
 from sdp.planning.report import OBJECTIVES, format_rows, nearest_miss, plot, ranked, row, write_json
 from sdp.planning.search import Composer, Outcome, search, verify
-from sdp.planning.space import CHECKPOINTING, PRECISIONS, parse_devices, structures
+from sdp.planning.space import CHECKPOINTING, PRECISIONS, SYNC_EVERY, parse_devices, structures
 from sdp.planning.step_time import Cluster, load_cluster, place
 from sdp.run.config import RunConfig, validate
 
 MIN_COVERAGE = 0.3  # the default: below it quality fell in our replica tables (claims.md, claim 4a)
 OWN = (
     "devices", "cluster", "nodes", "objective", "min_coverage", "coverages", "granularity",
-    "precision", "checkpointing", "top", "workers", "world_size", "out",
+    "precision", "checkpointing", "top", "workers", "world_size", "out", "sync_every",
 )  # fmt: skip
 CHOSEN = {  # the planner's choices, and the planner's key that narrows each
     "masking": "min_coverage=, coverages=, granularity=",
@@ -46,6 +48,7 @@ CHOSEN = {  # the planner's choices, and the planner's key that narrows each
     "parallelism.activation_checkpointing": "checkpointing=",
     "parallelism.mixed_precision": "precision=",
     "trainer.grad_accum_steps": "the table's micro-batch column (trainer.global_batch_size= sets the batch)",
+    "outer.sync_every": "sync_every=",
 }
 
 USAGE = Usage(
@@ -65,6 +68,7 @@ USAGE = Usage(
         ("granularity=...", "neuron,block (a LLaMA's default: neuron)"),
         ("precision=fp32,bf16", "the precisions searched"),
         ("checkpointing=none,selective,full", "the activation checkpointing searched"),
+        ("sync_every=1,10,50,100", "with outer=diloco: the H searched (DDP and SDP rows also without it)"),
         ("top=20", "the rows printed (an integer, or all)"),
         ("workers=2", "processes that trace in parallel"),
         ("world_size=K", "optional: must equal the number of devices"),
@@ -93,6 +97,7 @@ class PlanArgs:
     granularities: tuple[str, ...] | None  # None: the default for the model
     precisions: tuple[str, ...]
     checkpointing: tuple[str, ...]
+    sync_every: tuple[int, ...] | None  # outer=diloco's H searched (None: not given; (): no outer loop)
     top: int
     workers: int
     out: Path | None
@@ -113,6 +118,13 @@ def _number(key: str, value: str, lo: float, hi: float, *, whole: bool = False) 
     if number is None or not lo <= number <= hi:
         raise ConfigError(key, value, f"must be {'an integer' if whole else 'a number'} in [{lo:g}, {hi:g}]")
     return number
+
+
+def _sync_every(value: str) -> tuple[int, ...]:
+    picked = tuple(v.strip() for v in value.split(","))
+    if not all(p.isdigit() and int(p) >= 1 for p in picked) or len(set(map(int, picked))) != len(picked):
+        raise ConfigError("sync_every", value, "must be a comma list of distinct integers >= 1 (outer=diloco's H)")
+    return tuple(map(int, picked))
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str], dict]:
@@ -174,6 +186,7 @@ def parse_args(argv: list[str]) -> PlanArgs:
         _choices("granularity", own["granularity"], ("neuron", "block")) if "granularity" in own else None,
         _choices("precision", own.get("precision", ",".join(PRECISIONS)), PRECISIONS),
         _choices("checkpointing", own.get("checkpointing", ",".join(CHECKPOINTING)), CHECKPOINTING),
+        _sync_every(own["sync_every"]) if "sync_every" in own else None,
         10**9 if top == "all" else int(_number("top", top, 1, 10**6, whole=True)),
         int(_number("workers", own.get("workers", str(min(2, os.cpu_count() or 1))), 1, 64, whole=True)),
         Path(own["out"]) if "out" in own else None,
@@ -216,7 +229,8 @@ def progress_line(outcome: Outcome, done: int, total: int) -> None:
         busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
         peak, gib = found.peaks[busiest] / GIB, found.gib[busiest]
         fits = f"fits at micro-batch {found.micro} x {found.accum}" if found.fits else "does not fit at micro-batch 1"
-        what = f"{fits}, peak {peak:.2f} / {gib:g} GiB ({found.probes} probes, {outcome.seconds:.1f} s)"
+        how = f"from {outcome.lead.label}'s traces" if outcome.lead else f"{found.probes} probes"
+        what = f"{fits}, peak {peak:.2f} / {gib:g} GiB ({how}, {outcome.seconds:.1f} s)"
     print(f"[{done}/{total}] {label}: {what}", file=sys.stderr, flush=True)
 
 
@@ -252,6 +266,14 @@ def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
     composer = Composer(args.overrides, world=len(args.devices))
     plain = composer.base("none", "ddp")
     validate(plain, world_size=len(args.devices), offline=True, check_data=False)
+    outer = composer.base("none", "ddp", outer=True)
+    if is_outer(outer.outer):  # the user's outer loop, checked as a DDP run would check it
+        validate(outer, world_size=len(args.devices), offline=True, check_data=False)
+        args = dataclasses.replace(args, sync_every=args.sync_every or SYNC_EVERY)
+    elif args.sync_every is not None:
+        raise ConfigError("sync_every", ",".join(map(str, args.sync_every)), "needs outer=diloco: the H it searches")
+    else:
+        args = dataclasses.replace(args, sync_every=())
     if args.out is not None:
         check_writable("out", args.out)
     return args, composer, plain
@@ -275,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         every=args.every,
         precisions=args.precisions,
         checkpointing=args.checkpointing,
+        sync_every=args.sync_every,
     )
     print(header(args, plain, len(space)), flush=True)
     start = time.perf_counter()

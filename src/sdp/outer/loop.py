@@ -104,7 +104,7 @@ class OuterLoop:
         of a unit start alike whatever their seeds; theta_prev is the start; the momentum is 0."""
         for f, buckets in enumerate(self.buckets):
             for b in buckets:
-                flat = torch.cat([e.piece.view().reshape(-1) for e in b.entries])
+                flat = _pack(b, lambda p: p, dtype=b.entries[0].piece.tensor.dtype)
                 dist.broadcast(flat, src=b.holders[0], group=self.view.group(b.holders))
                 _unpack(flat, b, lambda p: p)
                 if self.trace is not None:
@@ -152,7 +152,7 @@ class OuterLoop:
         bucket's all-reduce issued (in `comm_dtype`), then each waited for and unpacked."""
         issued = []
         for b in self.buckets[fragment]:
-            flat = torch.cat([e.piece.view(delta[e.piece.tensor]).reshape(-1) for e in b.entries]).to(self.wire)
+            flat = _pack(b, lambda p: delta[p], dtype=self.wire)
             nbytes = flat.numel() * flat.element_size()
             self.comm.add("outer_sync", nbytes)
             self.sent += nbytes
@@ -239,6 +239,17 @@ class OuterLoop:
             "syncs": self.syncs,
             "bytes_per_sync": self.sent / self.syncs if self.syncs else None,
         }
+
+
+def _pack(b: Bucket, source, *, dtype: torch.dtype) -> torch.Tensor:
+    """A bucket's pieces of `source(tensor)` in one flat buffer of `dtype`, each copied into its
+    place (no copy of a piece on the way: the buffer is a sync's only temporary per bucket)."""
+    first = b.entries[0].piece.tensor
+    flat = torch.empty(b.numel, dtype=dtype, device=source(first).device)
+    for e, offset in zip(b.entries, b.offsets, strict=True):
+        view = e.piece.view(source(e.piece.tensor))
+        flat.narrow(0, offset, view.numel()).view(view.shape).copy_(view)
+    return flat
 
 
 def _unpack(flat: torch.Tensor, b: Bucket, target) -> None:

@@ -260,27 +260,29 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
                 f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
             ) from err
     per_step = comm.per_step()
-    syncs, sent = static.pop("syncs", (None, {}))
+    syncs, sent, sync_segments = static.pop("syncs", (None, {}, None))
     for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
         per_step[kind] += nbytes / cfg.outer.sync_every
     groups = planned_groups(cfg, world_size=world_size)[rank]
     return {
-        **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro),
+        **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro, sent=sent),
         "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
         "peak_segments": segments,
         "flops_per_step": flops,
         "comm_bytes_per_step": sum(per_step.values()),
         "comm_bytes_per_step_by_kind": per_step,
         "sync_timelines": syncs,
+        "sync_segments": sync_segments,  # an outer sync's peak by moment, by kind (None without one)
         "timeline": timeline,
         "precision": cfg.parallelism.mixed_precision,
         "trace_s": round(time.perf_counter() - start, 2),
     }
 
 
-def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int) -> dict:
+def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int, sent: dict) -> dict:
     """What run an estimate is of: model, masking (and the rank's capacity, the mask's holder
-    counts), world, rank and shapes."""
+    counts), world, rank and shapes; an outer loop's settings and the bytes a sync sends, by
+    kind (`sent`)."""
     plan = getattr(strategy, "plan", None)  # SDP's: the mask's holders per unit
     return {
         "model": cfg.model.name,
@@ -296,7 +298,7 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
         "n_params": strategy.full_params,
         # Where an outer loop's state lives: in the device's peaks, or in host memory beside them.
         "outer_on": ("device" if cfg.outer.backup_device == "device" else "host") if is_outer(cfg.outer) else None,
-        "outer": {"sync_every": cfg.outer.sync_every, "fragments": cfg.outer.fragments}
+        "outer": {"sync_every": cfg.outer.sync_every, "fragments": cfg.outer.fragments, "bytes_per_sync": dict(sent)}
         if is_outer(cfg.outer)
         else None,
     }
@@ -314,20 +316,42 @@ def _outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.de
     return outer
 
 
+class _SyncMarks(list):
+    """An outer loop's trace (the collectives it records, in order) that also marks a live-peak
+    tracker's segment where a sync moves on from its update to its refresh: the two moments a
+    sync peaks at, each on a line in the depth of its own (sdp.planning.layered)."""
+
+    def __init__(self, live: LivePeak):
+        super().__init__()
+        self.live = live
+
+    def append(self, entry: tuple) -> None:
+        super().append(entry)
+        if entry[1] == "outer_refresh":
+            self.live.mark("sync refresh")
+
+
 def _traced_syncs(strategy, optimizer, outer: OuterLoop, comm: CommCounter) -> tuple[dict, list[list[dict]], dict]:
-    """Each fragment's sync after a step (gradients still alive), traced: the largest live peak
-    (each syncs alone, but at the end), every fragment's collectives (the step-time model's) and
-    the bytes this rank sent in a window's syncs, by kind."""
-    peaks, timelines = [], []
+    """Each fragment's sync after a step (gradients still alive), traced: the peak of each of its
+    segments, the largest over the fragments (each syncs alone, but at the end), every
+    fragment's collectives (the step-time model's) and the bytes this rank sent in a window's
+    syncs, by kind."""
+    segments: dict[str, dict] = {}
+    timelines = []
     for fragment in range(outer.cfg.fragments):
         comm.timeline = []
         with LivePeak(strategy.model, optimizer, outer.device_state()) as live:
+            live.mark("sync update")
+            outer.trace = _SyncMarks(live)
             outer.sync(fragment)
-        peaks.append(live.breakdown())
+        outer.trace = None
+        for name, peak in live.segments().items():
+            if name != "step" and peak["total"] > segments.get(name, {"total": -1})["total"]:
+                segments[name] = peak
         timelines.append(comm.timeline)
     comm.timeline = None
     sent = comm.discard_step()  # a window's bytes, not a step's
-    return max(peaks, key=lambda p: p["total"]), timelines, sent
+    return segments, timelines, sent
 
 
 def _profiled_steps(
@@ -362,8 +386,9 @@ def _profiled_steps(
         run_step()
     comm.end_step()
     if outer is not None:  # the outer loop's state, and a sync's peak and collectives (a step's gradients alive)
-        peak, syncs, sent = _traced_syncs(strategy, optimizer, outer, comm)
-        static = {**static, **outer.memory(), "sync_peak_bytes": peak["total"], "syncs": (syncs, sent)}
+        sync_segments, syncs, sent = _traced_syncs(strategy, optimizer, outer, comm)
+        peak = max(p["total"] for p in sync_segments.values())
+        static = {**static, **outer.memory(), "sync_peak_bytes": peak, "syncs": (syncs, sent, sync_segments)}
     needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
     return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed
 

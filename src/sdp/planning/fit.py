@@ -21,7 +21,12 @@ step against whole traces.
 Ranks that hold the same and sit on GPUs of the same size have the same peak: one of each
 kind is traced (the busiest rank alone on equal devices without capacities). The peak a rank
 must fit is the estimator's `peak_with_comm_groups_bytes`: its live peak and the NCCL
-communicators of the process groups it joins.
+communicators of the process groups it joins; with an outer loop, a sync's peak too, where it
+is higher (`fit_peak`).
+
+A run with an outer loop traces the same for every H (`sync_every`): a sync is traced after a
+step however many steps apart they are. So the planner fits it once and derives the other H
+from that fit (`resynced`): only the window's share of each step's bytes and seconds moves.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 
 from sdp.planning.estimator import busiest_rank
 from sdp.planning.layered import extend_steps, layered_estimate
-from sdp.planning.step_time import Cluster
+from sdp.planning.step_time import Cluster, resync
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
 
@@ -90,8 +95,36 @@ def probe(cfg: RunConfig, *, devices: list[float], ranks: list[int], micro: int,
     world = len(devices)
     short, accum = short_run(cfg, world=world, micro=micro)
     ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster) for r in ranks}
-    peaks = {r: e["memory"]["peak_with_comm_groups_bytes"] for r, e in ests.items()}
+    peaks = {r: fit_peak(e) for r, e in ests.items()}
     return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
+
+
+def fit_peak(est: dict) -> int:
+    """The bytes a rank's GPU must hold: the step's peak or an outer sync's, whichever is higher,
+    and the communicators of its process groups."""
+    mem = est["memory"]
+    above = mem.get("sync_peak_bytes", 0) - mem.get("peak_bytes", 0)  # how far a sync peaks above the step
+    return mem["peak_with_comm_groups_bytes"] + max(0, above)
+
+
+def resynced(found: Fit, every: int) -> Fit:
+    """`found`, a run with an outer loop, as the same run syncing every `every` steps: each
+    estimate's bytes per step (a window's sync bytes spread over `every` steps) and its step."""
+    ests = {r: _resynced(e, every) for r, e in found.estimates.items()}
+    return dataclasses.replace(found, estimates=ests, step=found.step and resync(found.step, every=every))
+
+
+def _resynced(est: dict, every: int) -> dict:
+    outer, by_kind = est["outer"], dict(est["comm_bytes_per_step_by_kind"])
+    for kind, nbytes in outer["bytes_per_sync"].items():
+        by_kind[kind] += nbytes / every - nbytes / outer["sync_every"]
+    return {
+        **est,
+        "outer": {**outer, "sync_every": every},
+        "comm_bytes_per_step_by_kind": by_kind,
+        "comm_bytes_per_step": sum(by_kind.values()),
+        "step": est.get("step") and resync(est["step"], every=every),
+    }
 
 
 def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster) -> dict:

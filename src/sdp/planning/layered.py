@@ -39,6 +39,7 @@ import torch
 
 from sdp.errors import ConfigError
 from sdp.models import build_model
+from sdp.outer import is_outer
 from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.step_time import Cluster, step_times
 from sdp.run.config import RunConfig
@@ -48,12 +49,20 @@ from sdp.subnet.plan import SubnetPlan
 SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the module doc)
 SPREAD = 0.005  # the most `layer_spread` the line is taken at; past it the model is traced whole
 HEAD = "model.norm"  # transformers' LLaMA: the final norm, where the decoder stack ends
+OUTER_BYTES = ("outer_backup_bytes", "outer_momentum_bytes")  # an outer loop's, on the line
 
 
 def extends(cfg: RunConfig) -> bool:
     """Whether `cfg`'s estimate is affine in its number of layers (see the module doc)."""
     block_sdp = is_sdp(cfg.masking.name) and cfg.masking.granularity == "block"
-    return cfg.model.family == "llama" and not block_sdp and cfg.model.num_layers > max(SHORT)
+    return cfg.model.family == "llama" and not block_sdp and cfg.model.num_layers > max(SHORT) and _whole_syncs(cfg)
+
+
+def _whole_syncs(cfg: RunConfig) -> bool:
+    """No outer loop, or one that syncs the whole model at once: Streaming DiLoCo's fragments
+    split the blocks in P runs, at another place in a shallower model, so a sync's peak (the
+    largest fragment's) is not on a line in the depth."""
+    return not is_outer(cfg.outer) or cfg.outer.fragments == 1
 
 
 def layer_spread(cfg: RunConfig, *, world_size: int, rank: int) -> float:
@@ -115,26 +124,41 @@ def extended(one: dict, two: dict, times: float, *, cluster: Cluster | None = No
 
     mem1, mem2 = one["memory"], two["memory"]
     memory = dict(mem2)
-    for key in ("params_bytes", "grads_bytes", "optim_bytes"):
-        memory[key] = line(mem1[key], mem2[key])
-    segments = {
-        name: {kind: line(b, two["peak_segments"][name][kind]) for kind, b in peak.items() if kind != "total"}
-        for name, peak in one["peak_segments"].items()
-    }
-    for peak in segments.values():
-        peak["total"] = sum(peak.values())
+    for key in ("params_bytes", "grads_bytes", "optim_bytes", *OUTER_BYTES):
+        if key in mem1:
+            memory[key] = line(mem1[key], mem2[key])
+
+    def on_line(first: dict, second: dict) -> dict:  # each segment's peak, kind by kind, and their total
+        out = {
+            name: {kind: line(b, second[name][kind]) for kind, b in peak.items() if kind != "total"}
+            for name, peak in first.items()
+        }
+        for peak in out.values():
+            peak["total"] = sum(peak.values())
+        return out
+
+    segments = on_line(one["peak_segments"], two["peak_segments"])
     breakdown = max(segments.values(), key=lambda peak: peak["total"])
+    syncs = one["sync_segments"] and on_line(one["sync_segments"], two["sync_segments"])
+    if syncs:  # an outer sync's peak: the largest of its moments', each on its own line
+        memory["sync_peak_bytes"] = max(peak["total"] for peak in syncs.values())
     memory |= {"peak_bytes": breakdown["total"], "peak_breakdown": breakdown}
     memory["peak_with_comm_groups_bytes"] = breakdown["total"] + memory["comm_group_bytes"]
     by_kind = two["comm_bytes_per_step_by_kind"]
+    outer = two["outer"]
+    if outer is not None:  # a sync's bytes, kind by kind
+        sent = outer["bytes_per_sync"]
+        outer = {**outer, "bytes_per_sync": {k: line(v, sent[k]) for k, v in one["outer"]["bytes_per_sync"].items()}}
     return {
         **two,
+        "outer": outer,
         "memory": memory,
         "n_params": line(one["n_params"], two["n_params"]),
         "flops_per_step": line(one["flops_per_step"], two["flops_per_step"]),
         "comm_bytes_per_step": line(one["comm_bytes_per_step"], two["comm_bytes_per_step"]),
         "comm_bytes_per_step_by_kind": {k: line(v, by_kind[k]) for k, v in one["comm_bytes_per_step_by_kind"].items()},
         "peak_segments": segments,
+        "sync_segments": syncs,
         "timeline": None,
         "step": None if cluster is None else extend_steps(step_times(one, cluster), step_times(two, cluster), times),
         "trace_s": round(one["trace_s"] + two["trace_s"], 2),
@@ -149,6 +173,7 @@ def block_forward(cfg: RunConfig) -> bool:
         and cfg.masking.name == "forward"
         and cfg.masking.granularity == "block"
         and cfg.parallelism.name == "ddp"
+        and _whole_syncs(cfg)
     )
 
 
@@ -207,8 +232,15 @@ def _with_groups(memory: dict, cfg: RunConfig, *, world_size: int, rank: int) ->
 def extend_steps(first: dict, second: dict, times: float) -> dict:
     """`step_times` figures on the line through `first` and `second`, `times` steps past `first`
     (each second, and each kind's exposed seconds)."""
-    out = {k: v + times * (second[k] - v) for k, v in first.items() if k != "exposed_by_kind_s"}
+    out = {k: _on_line(v, second[k], times) for k, v in first.items() if k != "exposed_by_kind_s"}
     kinds = first["exposed_by_kind_s"].keys() | second["exposed_by_kind_s"].keys()
     a, b = first["exposed_by_kind_s"], second["exposed_by_kind_s"]
     out["exposed_by_kind_s"] = {k: a.get(k, 0.0) + times * (b.get(k, 0.0) - a.get(k, 0.0)) for k in sorted(kinds)}
     return out
+
+
+def _on_line(a, b, times: float):
+    """The point `times` past `a` on the line through `a` and `b`, element-wise for lists."""
+    if isinstance(a, list):
+        return [x + times * (y - x) for x, y in zip(a, b, strict=True)]
+    return a + times * (b - a)

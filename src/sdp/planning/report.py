@@ -15,6 +15,8 @@ from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
 
 CLAIMS = "results/cpu_replica/claims.md"
+LOWCOMM = "docs/lowcomm.md"  # the low-communication comparison
+MIB = 2**20
 # The claims a caveat cites, by number, as the report's headings name them.
 CITED = {
     "1": "Claim 1: Under FLOP-matching, SDP maintains or improves quality",
@@ -26,9 +28,11 @@ OBJECTIVES = ("speed", "memory")
 
 
 def caveat(s: Structure, *, protocol: str) -> str:
-    """The replica report's word on a structure's quality (claim numbers of CLAIMS)."""
+    """The replica report's word on a structure's quality (claim numbers of CLAIMS), and the
+    low-communication table's on an outer loop (LOWCOMM)."""
+    outer = "" if s.sync_every is None else f"outer loop: trailed DDP at equal steps ({LOWCOMM})"
     if s.masking == "none":
-        return ""
+        return outer
     coverage = s.coverage if s.capacity is None else sum(s.capacity) / len(s.capacity)
     notes = ["C < 0.3 lost quality (4a)"] if coverage < 0.3 else []
     if protocol == "flop_matched":
@@ -37,7 +41,7 @@ def caveat(s: Structure, *, protocol: str) -> str:
         notes.append("trails DDP at its step count (4b, 5)")
     else:
         notes.append("trailed DDP on LLaMA, not on ResNet (4b)")
-    return "; ".join(notes)
+    return "; ".join([*notes, outer] if outer else notes)
 
 
 def row(outcome: Outcome, *, run: dict, cluster_nodes: int) -> dict:
@@ -61,6 +65,7 @@ def row(outcome: Outcome, *, run: dict, cluster_nodes: int) -> dict:
         "breakdown_gib": {k: round(v / GIB, 3) for k, v in ests[busiest]["memory"]["peak_breakdown"].items()},
         "comm_groups": ests[busiest]["memory"]["comm_groups"],
         "method": ests[busiest]["method"],
+        "comm_bytes_per_step": ests[busiest]["comm_bytes_per_step"],
         "probes": found.probes,
         "caveat": caveat(s, protocol=run["protocol"]),
     }
@@ -83,17 +88,43 @@ def _structure(s: Structure) -> dict:
         "fsdp_degree": s.fsdp_degree,
         "activation_checkpointing": s.checkpointing,
         "mixed_precision": s.precision,
+        "sync_every": s.sync_every,
     }
 
 
 def ranked(rows: list[dict], *, objective: str) -> list[dict]:
     """The rows that fit, best first: the fastest step (speed), or the smallest share of its
-    GPU on the busiest rank (memory), ties broken by the other."""
+    GPU on the busiest rank (memory), ties broken by the other, then by fewer local steps. For
+    speed, local steps must pay for themselves (`_local_steps_pay`)."""
     fitting = [r for r in rows if r["fits"]]
     slow = float("inf")
     if objective == "speed":
-        return sorted(fitting, key=lambda r: (r.get("step_s", slow), 1 - r["headroom"]))
-    return sorted(fitting, key=lambda r: (1 - r["headroom"], r.get("step_s", slow)))
+        return _local_steps_pay(sorted(fitting, key=lambda r: (r.get("step_s", slow), 1 - r["headroom"])))
+    return sorted(fitting, key=lambda r: (1 - r["headroom"], r.get("step_s", slow), _local(r)))
+
+
+LOCAL_STEPS_GAIN = 0.10  # the share of the step an outer loop's longer H must save to rank first
+
+
+def _local(r: dict) -> int:
+    """The inner steps between a row's syncs: 0 for a plain run (it averages every step)."""
+    return (r.get("structure") or {}).get("sync_every") or 0
+
+
+def _local_steps_pay(by_step: list[dict]) -> list[dict]:
+    """Rows sorted by step, re-ranked so that more local steps come first only where they make
+    the step LOCAL_STEPS_GAIN faster: each next row is, of those within that share of the fastest
+    row left, the one with the fewest local steps (a plain run first), then the fastest. An
+    outer loop costs quality (docs/lowcomm.md), so on fast links, where averaging every step is
+    nearly free, the usual row stays on top; on slow links the low-communication one takes it."""
+    left, out = list(by_step), []
+    while left:
+        bound = left[0].get("step_s", float("inf")) * (1 + LOCAL_STEPS_GAIN)
+        near = [r for r in left if r.get("step_s", float("inf")) <= bound]
+        pick = min(near, key=_local)  # min keeps the first (fastest) of equal local steps
+        out.append(pick)
+        left.remove(pick)
+    return out
 
 
 def nearest_miss(rows: list[dict]) -> dict | None:
@@ -113,14 +144,14 @@ def format_rows(best: list[dict], *, unit: str, top: int) -> str:
     """The ranked rows, each followed by its command."""
     lines = [
         f"  {'#':>3}  {'run':<50} {'micro x acc':>11}  {'peak GiB (rank)':<24} {'free':>5}  "
-        f"{'step s':>8}  {unit + '/s':>12}  caveat (claims)"
+        f"{'step s':>8}  {unit + '/s':>12}  {'sent MiB/step':>13}  caveat (claims)"
     ]
     for i, r in enumerate(best[:top], 1):
         step = f"{r['step_s']:8.4f}" if "step_s" in r else f"{'-':>8}"
         rate = f"{r[f'{unit}_per_s']:12,.0f}" if "step_s" in r else f"{'-':>12}"
         lines.append(
             f"  {i:>3}  {r['run']:<50} {r['micro_batch']:>5} x {r['accum']:<3}  {_peaks(r):<24} "
-            f"{r['headroom']:5.0%}  {step}  {rate}  {r['caveat']}"
+            f"{r['headroom']:5.0%}  {step}  {rate}  {r['comm_bytes_per_step'] / MIB:13,.1f}  {r['caveat']}"
         )
         lines.append(f"       $ {r['command']}")
     if len(best) > top:

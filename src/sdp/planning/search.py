@@ -5,10 +5,11 @@ parallelism) pair is composed once and its structures are copies with their fiel
 checked as `load_config` checks them (tests/test_plan_search.py checks the copies equal the
 composed configs). A structure the entrypoint would refuse is kept with its one-line reason.
 
-Structures that differ only in coverage and activation checkpointing form a *family*; a
-family is fitted in order, each structure's micro-batch search starting from the one before
-it (their peaks are close), and the families are spread over worker processes (`workers`,
-2 on this 2-core machine), forked after the imports.
+Structures that differ only in coverage, activation checkpointing and an outer loop form a
+*family*; a family is fitted in order, each structure's micro-batch search starting from the
+one before it (their peaks are close), and the families are spread over worker processes
+(`workers`, 2 on this 2-core machine), forked after the imports. Of an outer loop's H, one is
+fitted and the others derived (`lead_structures`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 from sdp.errors import ConfigError
 from sdp.planning.estimator import estimate
-from sdp.planning.fit import GIB, Fit, fit, short_run
-from sdp.planning.space import CHECKPOINTING, Structure
+from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
+from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
 from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
 from sdp.subnet import capacity_replaces_coverage
@@ -33,32 +34,38 @@ from sdp.subnet import capacity_replaces_coverage
 
 @dataclass
 class Outcome:
-    """One structure's result: its fit (None: refused, with `reason`) and the seconds it took."""
+    """One structure's result: its fit (None: refused, with `reason`) and the seconds it took;
+    `lead`: the structure whose traces it was derived from (an outer loop at another H)."""
 
     structure: Structure
     found: Fit | None
     reason: str = ""
     seconds: float = 0.0
+    lead: Structure | None = None
 
 
 class Composer:
     """RunConfigs of structures on top of the user's overrides, composed once per (masking,
-    parallelism) pair."""
+    parallelism, outer loop or not)."""
 
     def __init__(self, overrides: list[str], *, world: int):
         self.overrides, self.world = overrides, world
-        self._bases: dict[tuple[str, str], RunConfig] = {}
+        self._bases: dict[tuple[str, str, bool], RunConfig] = {}
 
-    def base(self, masking: str, parallelism: str) -> RunConfig:
-        key = (masking, parallelism)
+    def base(self, masking: str, parallelism: str, outer: bool = False) -> RunConfig:
+        """The user's overrides with these (without their outer loop's unless `outer`)."""
+        key = (masking, parallelism, outer)
         if key not in self._bases:
-            self._bases[key] = typed_config([*self.overrides, f"masking={masking}", f"parallelism={parallelism}"])
+            own = self.overrides if outer else outer_free(self.overrides)
+            self._bases[key] = typed_config([*own, f"masking={masking}", f"parallelism={parallelism}"])
         return self._bases[key]
 
     def __call__(self, s: Structure) -> RunConfig:
         """The structure's config, checked; ConfigError as the entrypoint would raise it."""
-        cfg = copy.deepcopy(self.base(s.masking, s.parallelism))
+        cfg = copy.deepcopy(self.base(s.masking, s.parallelism, s.sync_every is not None))
         plain = self.base("none", s.parallelism)  # the step budget before the protocol scales it
+        if s.sync_every is not None:
+            _set(cfg, "outer.sync_every", s.sync_every)
         for key in ("trainer.max_steps", "optim.warmup_steps"):
             _set(cfg, key, _get(plain, key))
         if s.masking != "none":
@@ -88,7 +95,8 @@ def _set(cfg: RunConfig, key: str, value) -> None:
 
 
 def family_of(s: Structure) -> tuple:
-    """What a family shares: all but the coverage (or capacity) and the checkpointing."""
+    """What a family shares: all but the coverage (or capacity), the checkpointing and the
+    outer loop."""
     return (s.parallelism, s.masking, s.granularity, s.fsdp_degree, s.precision, s.capacity is None)
 
 
@@ -136,18 +144,19 @@ def search(
     workers: int,
     progress: Callable[[Outcome, int, int], None] | None = None,
 ) -> list[Outcome]:
-    """Every structure's outcome, in the order of `space`."""
+    """Every structure's outcome, in the order of `space`. Of a structure's outer loops (the same
+    but for H), the first the entrypoint takes is fitted and the others derived from it."""
     outcomes: dict[Structure, Outcome] = {}
+    composed = {}
+    for s in space:
+        try:
+            composed[s] = compose(s)
+        except ConfigError as err:
+            outcomes[s] = Outcome(s, None, reason=str(err))
+    leads = lead_structures(list(composed))
     tasks = []
-    for family in families(space):
-        pairs = []
-        for s in family:
-            try:
-                pairs.append((s, compose(s)))
-            except ConfigError as err:
-                outcomes[s] = Outcome(s, None, reason=str(err))
-        if pairs:
-            tasks.append((pairs, devices, cluster))
+    for family in families([s for s in composed if leads[s] == s]):
+        tasks.append(([(s, composed[s]) for s in family], devices, cluster))
     done = len(outcomes)
     if workers > 1 and len(tasks) > 1:
         with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_quiet_worker) as pool:
@@ -157,7 +166,24 @@ def search(
     else:
         for task in tasks:
             done = _record(fit_family(task), outcomes, done, len(space), progress)
+    derived = [_derived(s, outcomes[lead]) for s, lead in leads.items() if lead != s]
+    _record(derived, outcomes, done, len(space), progress)
     return [outcomes[s] for s in space]
+
+
+def lead_structures(space: list[Structure]) -> dict[Structure, Structure]:
+    """Each structure's lead: itself, or for an outer loop, the first of the same structure's
+    outer loops in `space` (they differ only in H, which no trace sees)."""
+    first: dict[Structure, Structure] = {}
+    for s in space:
+        if s.sync_every is not None:
+            first.setdefault(dataclasses.replace(s, sync_every=None), s)
+    return {s: s if s.sync_every is None else first[dataclasses.replace(s, sync_every=None)] for s in space}
+
+
+def _derived(s: Structure, lead: Outcome) -> Outcome:
+    """An outer loop's outcome at `s.sync_every` from its lead's fit (`sdp.planning.fit.resynced`)."""
+    return Outcome(s, dataclasses.replace(resynced(lead.found, s.sync_every), probes=0), lead=lead.structure)
 
 
 def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progress) -> int:
@@ -174,10 +200,7 @@ def verify(row: dict, cfg: RunConfig, *, devices: list[float]) -> dict:
     any count from 2), replacing the line's; the row as it then stands (it may no longer fit)."""
     world = len(devices)
     short, _ = short_run(cfg, world=world, micro=row["micro_batch"])
-    peaks = {
-        int(r): estimate(short, world_size=world, rank=int(r))["memory"]["peak_with_comm_groups_bytes"]
-        for r in row["peaks_bytes"]
-    }
+    peaks = {int(r): fit_peak(estimate(short, world_size=world, rank=int(r))) for r in row["peaks_bytes"]}
     share = {r: p / (devices[r] * GIB) for r, p in peaks.items()}
     busiest = max(share, key=share.get)
     return {

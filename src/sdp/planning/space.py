@@ -6,6 +6,10 @@ devices of different memory, per-worker capacities), alone or with FSDP inside e
 For each structure the planner then picks the micro-batch (`trainer.grad_accum_steps`,
 `sdp.planning.fit`), so the micro-batch is not a dimension of this space.
 
+Given `outer=diloco`, the planner also weighs each DDP and SDP structure with an outer loop at
+every searched `sync_every` (H; FSDP refuses an outer loop, so its structures are weighed
+without): `Structure.sync_every`, None for the plain run.
+
 SDP's coverages are r / K for r holders per unit. By default the planner weighs those on the
 grid the paper and our replica tables measure (0.75, 0.5, 0.25, and 0.125 below it), the
 quality caveats of results/cpu_replica/claims.md speak of; `every=True` weighs every r / K.
@@ -15,6 +19,7 @@ Devices are given in GiB per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -27,6 +32,7 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 GRID = (0.75, 0.5, 0.25, 0.125)  # the default coverages, where r / K hits them
 STACK_PRECISION = "bf16"  # SDP x FSDP is weighed in it alone when it is searched (the paper's stack, M2)
+SYNC_EVERY = (1, 10, 50, 100)  # outer=diloco: the H searched by default
 SHARE = 0.25  # mixed devices: capacities are multiples of this share (few holder sets, few communicators)
 
 
@@ -64,7 +70,8 @@ def _gib(text: str, part: str) -> float:
 @dataclass(frozen=True)
 class Structure:
     """A run's choices but its micro-batch. `coverage` is SDP's (None: DDP or FSDP); `capacity`
-    replaces it on mixed devices; `fsdp_degree` > 1 is FSDP inside each SDP worker."""
+    replaces it on mixed devices; `fsdp_degree` > 1 is FSDP inside each SDP worker; `sync_every`
+    is an outer loop's H (None: none)."""
 
     parallelism: str = "ddp"  # ddp | fsdp
     masking: str = "none"  # none | backward | forward
@@ -74,6 +81,7 @@ class Structure:
     fsdp_degree: int = 1
     checkpointing: str = "none"
     precision: str = "fp32"
+    sync_every: int | None = None
 
     @property
     def label(self) -> str:
@@ -84,7 +92,8 @@ class Structure:
             label += f" C={self.coverage:g}" if self.capacity is None else f" capacity {listed(self.capacity)}"
             label += f" x FSDP({self.fsdp_degree})" if self.fsdp_degree > 1 else ""
         label += {"none": "", "selective": " + AC(sel)", "full": " + AC"}[self.checkpointing]
-        return label + (" + bf16" if self.precision == "bf16" else "")
+        label += " + bf16" if self.precision == "bf16" else ""
+        return label + ("" if self.sync_every is None else f" + DiLoCo(H={self.sync_every})")
 
     def overrides(self) -> list[str]:
         """The command-line overrides that give this structure (on top of the user's own)."""
@@ -103,6 +112,8 @@ class Structure:
             out.append(f"parallelism.activation_checkpointing={self.checkpointing}")
         if self.precision != "fp32":
             out.append(f"parallelism.mixed_precision={self.precision}")
+        if self.sync_every is not None:  # outer=diloco is the user's (see `outer_free`)
+            out.append(f"outer.sync_every={self.sync_every}")
         return out
 
 
@@ -138,10 +149,12 @@ def structures(
     every: bool = True,
     precisions: tuple[str, ...] = PRECISIONS,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
+    sync_every: tuple[int, ...] = (),
 ) -> list[Structure]:
     """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
     equal memory per worker under SDP x FSDP, in bf16 when bf16 is searched: the paper's stacked
-    configuration); `every`: all coverages r / K, not the grid's."""
+    configuration); `every`: all coverages r / K, not the grid's; each DDP and SDP structure
+    also with an outer loop at each of `sync_every`, right after it."""
     k = len(devices)
     sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage, every=every)] + [
         {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
@@ -164,7 +177,16 @@ def structures(
                 for gran in granularities
                 for c in coverages(k // f, min_coverage=min_coverage, every=every)
             ]
-    return out
+    if not sync_every:
+        return out
+    local = [[s, *(dataclasses.replace(s, sync_every=h) for h in sync_every)] for s in out]
+    return [t for s, group in zip(out, local, strict=True) for t in (group if s.parallelism == "ddp" else [s])]
+
+
+def outer_free(overrides: list[str]) -> list[str]:
+    """The user's overrides without the outer loop's (outer=diloco, outer.KEY=...): a plain
+    structure's, where the planner weighs the run without one."""
+    return [a for a in overrides if a.lstrip("+~").partition("=")[0].split(".")[0] != "outer"]
 
 
 def _fsdp_degrees(devices: list[float]) -> list[int]:
@@ -184,7 +206,8 @@ def command(base: list[str], structure: Structure, *, nproc: int, accum: int, nn
     launch = f"--nproc-per-node={nproc // nnodes}"
     if nnodes > 1:  # the same line on every node; MASTER_ADDR: the first node's address
         launch += f" --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
-    args = [*base, *structure.overrides(), f"trainer.grad_accum_steps={accum}"]
+    own = base if structure.sync_every is not None else outer_free(base)
+    args = [*own, *structure.overrides(), f"trainer.grad_accum_steps={accum}"]
     return f"python -m sdp.train {launch} " + " ".join(_quoted(a) for a in args)
 
 

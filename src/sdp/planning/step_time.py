@@ -249,18 +249,32 @@ def outer_sync_times(est: dict, cluster: Cluster, *, compute_s: float) -> dict:
     runtime waits for them after the step), a window's H steps sharing their time; and what a
     schedule that ran each fragment's sync beside the next H / P steps of compute (Streaming
     DiLoCo's overlap, which the runtime does not run) would leave exposed."""
-    every, fragments = est["outer"]["sync_every"], est["outer"]["fragments"]
     per_fragment = [
         sum(collective_seconds(Collective(r["op"], r["kind"], r["bytes"], tuple(r["ranks"]), 0.0, 0.0), cluster)
             for r in timeline)
         for timeline in est["sync_timelines"]
     ]  # fmt: skip
-    between = every // fragments * compute_s
+    return sync_figures(per_fragment, every=est["outer"]["sync_every"], compute_s=compute_s)
+
+
+def sync_figures(per_fragment: list[float], *, every: int, compute_s: float) -> dict:
+    """`outer_sync_times`' figures from each fragment's sync seconds, syncing every `every` steps
+    of `compute_s` seconds of compute each."""
+    between = every // len(per_fragment) * compute_s
     return {
+        "outer_sync_fragments_s": per_fragment,
         "outer_sync_window_s": sum(per_fragment),
         "outer_sync_per_step_s": sum(per_fragment) / every,
         "outer_sync_overlapped_per_step_s": sum(max(0.0, t - between) for t in per_fragment) / every,
     }
+
+
+def resync(step: dict, *, every: int) -> dict:
+    """`step_times`' figures of a run with an outer loop, the same run syncing every `every` steps
+    instead: nothing of a step but its share of the window's syncs depends on H."""
+    figures = sync_figures(step["outer_sync_fragments_s"], every=every, compute_s=step["compute_s"])
+    moved = figures["outer_sync_per_step_s"] - step["outer_sync_per_step_s"]
+    return {**step, **figures, **{k: step[k] + moved for k in ("step_serial_s", "step_overlapped_s")}}
 
 
 def format_step_times(rows: list[dict], cluster: Cluster, *, world_size: int) -> str:
