@@ -1,7 +1,9 @@
 """A steady-state training step reads nothing back to the host: with a fused optimizer the
 NaN/Inf guard decides on the device, so no step of DDP or any SDP variant calls
 `aten._local_scalar_dense` (what `.item()`, `.tolist()`, `float(t)` and `if t:` dispatch to: on
-CUDA, each one is a host-device synchronisation)."""
+CUDA, each one is a host-device synchronisation). On CUDA, backward masking of neurons trains
+views of a weight's columns, which CUDA's fused kernels refuse: its runs take torch's default
+optimizer and the host's check, one read a step (the last test)."""
 
 import dataclasses
 import itertools
@@ -12,8 +14,9 @@ from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp import dist
+from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
-from sdp.optim import build_optimizer
+from sdp.optim import OptimConfig, build_optimizer, is_dense
 from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
@@ -83,3 +86,32 @@ def test_causal_attention_without_a_mask_is_transformers_sdpa_bit_for_bit():
     ours = model(tokens).logits
     model.config._attn_implementation = "sdpa"  # transformers' own, which builds its mask first
     assert torch.equal(ours, model(tokens).logits)
+
+
+def test_cuda_gets_the_fused_optimizer_only_over_dense_tensors():
+    # Seen on an H200 (torch 2.11): N-SDP backward with the fused AdamW failed its first step,
+    # "params, grads, exp_avgs, and exp_avg_sqs must have same dtype, device, and layout".
+    w = torch.zeros(4, 6)
+    assert [is_dense(t) for t in (w, w.t(), w.narrow(0, 1, 2), w.narrow(1, 0, 3), w.narrow(1, 0, 1))] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    cfg = load_config([*BASE, *VARIANTS["N-SDP backward"]], world_size=2, offline=True, check_data=False)
+    with dist.fake_process_group(1, 2):
+        world = dist.World(rank=1, local_rank=0, world_size=2)
+        trained = list(build_strategy(cfg, world=world, device=CPU, comm=CommCounter()).trainable())
+    columns = [p for p in trained if not is_dense(p)]
+    assert columns and all(p.dim() == 2 and p.stride(1) == 1 and p.stride(0) > p.shape[1] for p in columns)
+    cuda = torch.device("cuda")  # AdamW(fused=True) is built on CPU tensors too: no GPU needed
+    assert build_optimizer([p for p in trained if is_dense(p)], OptimConfig(), device=cuda).defaults["fused"]
+    assert not build_optimizer(trained, OptimConfig(), device=cuda).defaults["fused"]
+    assert build_optimizer(trained, OptimConfig(), device=CPU).defaults["fused"] is None
+    with pytest.raises(ConfigError) as refused:
+        build_optimizer(trained, OptimConfig(implementation="fused"), device=cuda)
+    assert str(refused.value) == (
+        "optim.implementation='fused': CUDA's fused kernels take dense tensors only, and this run trains views "
+        "of a weight's columns (masking=backward of neurons or channels): use optim.implementation=auto or foreach"
+    )

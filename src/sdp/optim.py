@@ -45,7 +45,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
     # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
     # guard's found_inf, see sdp.run.nonfinite); foreach: torch's multi-tensor one. auto: fused on
-    # CUDA, torch's default elsewhere (on CPU its per-tensor loop: the CPU results so far).
+    # CUDA where every trained tensor is dense, torch's default elsewhere (on CPU its per-tensor
+    # loop: the CPU results so far). Backward masking of neurons or channels trains views of a
+    # weight's columns, which CUDA's fused kernels refuse: there auto is torch's default.
     implementation: Implementation = Implementation.auto
 
 
@@ -83,9 +85,35 @@ def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:
     )
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill one block of memory without overlap, in any order of its
+    dimensions (what CUDA's fused optimizer kernels take); a view of some columns of a matrix is not."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _tensors(params) -> list[torch.Tensor]:
+    return [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+
+
 def build_optimizer(params, cfg: OptimConfig, *, device: torch.device | None = None) -> torch.optim.Optimizer:
     """Build the optimizer over `params` (only the tensors this rank trains) on `device`."""
-    kind = {"fused": True} if is_fused(cfg, device) else {"foreach": True if cfg.implementation == "foreach" else None}
+    params = list(params)
+    fused = is_fused(cfg, device)
+    if fused and device is not None and device.type == "cuda" and not all(map(is_dense, _tensors(params))):
+        if cfg.implementation == "fused":
+            raise ConfigError(
+                "optim.implementation",
+                "fused",
+                "CUDA's fused kernels take dense tensors only, and this run trains views of a weight's columns "
+                "(masking=backward of neurons or channels): use optim.implementation=auto or foreach",
+            )
+        fused = False  # auto: torch's default, and the NaN/Inf check on the host
+    kind = {"fused": True} if fused else {"foreach": True if cfg.implementation == "foreach" else None}
     if cfg.name == "adamw":
         return torch.optim.AdamW(
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **kind
