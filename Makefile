@@ -53,7 +53,7 @@ run: setup
 
 # The full suite (what CI runs), with its 15 slowest tests and the processes it started.
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # Every module's unit tests, without the multi-rank jobs and the slow ones, on both cores (<= 3 min).
 test-fast: setup

@@ -174,9 +174,20 @@ def process_report(torchruns: list[tuple[str, int]], others: collections.Counter
 
 
 def _counted(config) -> bool:
-    """Whether this session's count is whole: under pytest-xdist (make test-fast's -n 2) each
-    worker sees only its share, so nothing is reported or enforced; make test runs without it."""
-    return not config.getoption("numprocesses", None)
+    """Whether this process holds the session's whole count: without pytest-xdist, or its
+    controller, to which each worker hands its share when it ends (`pytest_testnodedown`)."""
+    return not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: add a finished worker's processes to the session's count."""
+    share = getattr(node, "workeroutput", {}).get("processes")
+    if share:
+        TORCHRUNS.extend(tuple(t) for t in share["torchruns"])
+        OTHER_PROCESSES.update(share["others"])
+        for key, n in share["started"].items():
+            STARTED[key] += n
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -186,5 +197,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its share, to the controller
+        share = {"torchruns": TORCHRUNS, "others": dict(OTHER_PROCESSES), "started": dict(STARTED)}
+        session.config.workeroutput["processes"] = share
     if _counted(session.config) and len(TORCHRUNS) > LAUNCH_BUDGET:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
