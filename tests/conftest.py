@@ -179,6 +179,13 @@ def _counted(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with a multi-rank job first (a stable sort): under make test's `--dist loadfile`
+    the longest files start at once, not one of them last on a worker while the other idles."""
+    multi_rank = {item.path for item in items if item.get_closest_marker("dist")}
+    items.sort(key=lambda item: item.path not in multi_rank)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: add a finished worker's processes to the session's count."""

@@ -7,7 +7,16 @@ import math
 import pytest
 from test_collect import _run
 
-from sdp.analysis.claims import FAILS, FEW, HOLDS, UNCLEAR, points_from_cuda, points_from_memory_table, quality_claims
+from sdp.analysis.claims import (
+    FAILS,
+    FEW,
+    HOLDS,
+    NOT_CONVERGED,
+    UNCLEAR,
+    points_from_cuda,
+    points_from_memory_table,
+    quality_claims,
+)
 from sdp.analysis.tables import build_rows, collect, find_runs
 
 
@@ -104,15 +113,34 @@ def test_claims_md_has_a_verdict_per_claim_and_checks_memory_against_every_sourc
     assert f"| M1 | {cuda} | m | -10.0% to -10.0% (best: N-SDP forward) | does not hold |" in md
 
 
-@pytest.mark.parametrize(("before", "verdict"), [(0.795, "passes"), (0.79, "fails")])
+@pytest.mark.parametrize(("before", "verdict"), [(0.797, "passes"), (0.79, "fails")])
 def test_the_table_header_states_whether_ddp_had_converged(tmp_path, before, verdict):
+    # Run dirs from before the gate (no `convergence` in summary.json): computed from metrics.jsonl.
     for seed in range(2):
-        d = _run(tmp_path, f"ddp-s{seed}", seed=seed, acc=0.8)
+        d = _run(tmp_path, f"ddp-s{seed}", seed=seed, acc=0.8, convergence={})
         evals = [{"step": 8, "eval_acc": before}, {"step": 10, "eval_acc": 0.8}]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
     info = build_rows(find_runs([tmp_path]))["resnet_tiny_fashion_mnist"]
-    change = f"{abs(0.8 - before) / before:.1%}"
+    change = f"{abs(0.8 - before) / 0.8:.2%}"
     assert info["convergence"] == (
-        f"DDP's eval acc moved by {change}, {change} (its 2 runs) between step 8 and step 10: {verdict} "
-        "(< 1% in every run)"
+        f"DDP's smoothed eval acc moved by {change}, {change} (its 2 runs) over steps 8-10: {verdict} "
+        "(< 0.5% in every run)"
     )
+    assert info["not_converged"] == ([] if verdict == "passes" else ["DDP"])
+
+
+def test_a_row_that_did_not_converge_gets_no_verdict_and_neither_does_a_comparison_with_ddp(runs):
+    gate = {"metric": "eval_acc", "from_step": 8, "to_step": 10, "threshold": 0.005, "change": 0.02}
+    for d in (runs / "nf-same-s1", runs / "ddp-s2"):  # one run of a row, then one of DDP
+        summary = json.loads((d / "summary.json").read_text())
+        (d / "summary.json").write_text(json.dumps({**summary, "convergence": {**gate, "plateaued": False}}))
+        claims = _claims(runs)
+        (worse,) = claims["4b"].comparisons
+        assert worse.d == pytest.approx(-10.0) and worse.verdict == NOT_CONVERGED  # was FAILS
+    # DDP not converged: every comparison that reads DDP's quality is withheld, not B-SDP against N-SDP.
+    assert {c.verdict for c in claims["1"].comparisons} == {NOT_CONVERGED}
+    assert [c.verdict for c in claims["2"].comparisons] == [HOLDS]
+    md = (collect([runs], runs.parent / "out", command="c", make_plots=False, claims=True)[-1]).read_text()
+    assert f"**Verdict: {NOT_CONVERGED}.**" in md
+    table = (runs.parent / "out" / "resnet_tiny_fashion_mnist.md").read_text()
+    assert "| DDP | 1 | same_iteration | 10 | 3 | **no** |" in table

@@ -53,6 +53,16 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert summary["eval_loss"] > 0 and (family == "llama" or summary["eval_acc"] > 0.1)
     assert (run_dir / "config.yaml").read_text().count("name: ddp") == 1
+    # One evaluation, at the end: the gate cannot say whether the metric still moves.
+    assert summary["convergence"] == {
+        "metric": "eval_loss" if family == "llama" else "eval_acc",
+        "from_step": 9,
+        "to_step": 12,
+        "threshold": 0.005,
+        "change": None,
+        "plateaued": None,
+        "reason": "no evaluation at or before step 9",
+    }
     # trainer.export=hf (the default): the model out of the framework too (tests/test_export.py).
     # local_text: the tokenizer the run trained goes with the model
     llama = ["hf/config.json", "hf/generation_config.json", "hf/model.safetensors"]
@@ -134,5 +144,11 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
     # Before and after the resample, each rank holds 2 of the 4 blocks and the shared tensors, not everything.
     assert summary["memory"]["grads_bytes"] < 4 * summary["n_params"]
     assert len([r for r in records if "eval_loss" in r]) == 2
+    # The convergence gate over steps 3-4 (sdp.metrics.convergence): S(3) is step 2's accuracy
+    # (nothing in (2.6, 3]), S(4) step 4's.
+    (_, at2), (_, at4) = [(r["step"], r["eval_acc"]) for r in records if "eval_acc" in r]
+    gate = summary["convergence"]
+    assert gate["metric"] == "eval_acc" and (gate["from_step"], gate["to_step"], gate["threshold"]) == (3, 4, 0.005)
+    assert gate["change"] == abs(at4 - at2) / abs(at4) and gate["plateaued"] == (gate["change"] < 0.005)
     plain = load_model_pt(run_dir, model)
     assert torch.isfinite(plain(torch.randn(2, 3, 32, 32))).all()

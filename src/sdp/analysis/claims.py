@@ -8,7 +8,9 @@ sqrt(s_a^2 / n_a + s_b^2 / n_b) over the rows' seeds. The rule, the same for eve
 - *holds* when d > Z * SE;
 - *does not hold* when d < -Z * SE;
 - *not distinguishable at this scale* otherwise;
-- *too few runs* when either row has fewer than MIN_RUNS completed runs.
+- *too few runs* when either row has fewer than MIN_RUNS completed runs;
+- *not converged*, never a verdict, when a run of either row (or of DDP, for a comparison
+  against DDP's quality) did not pass its convergence gate (`sdp.metrics.convergence`).
 
 The memory claims are measurements, exact to the byte, not estimates from seeds: each is
 checked against the reduction a source reports (the collected run dirs, the estimator's
@@ -29,6 +31,7 @@ from pathlib import Path
 Z = 2.0
 MIN_RUNS = 3
 HOLDS, FAILS, UNCLEAR, FEW = "holds", "does not hold", "not distinguishable at this scale", "too few runs"
+NOT_CONVERGED = "not converged"
 GAP = 0.3  # claim 4's coverage threshold ("C ≳ 0.3")
 
 
@@ -53,9 +56,12 @@ class Comparison:
     d: float  # > 0: the claim's direction
     se: float
     runs: tuple[int, int]
+    converged: bool = True  # every run of the rows compared passed its convergence gate
 
     @property
     def verdict(self) -> str:
+        if not self.converged:
+            return NOT_CONVERGED
         if min(self.runs) < MIN_RUNS:
             return FEW
         if self.d > Z * self.se:
@@ -81,7 +87,8 @@ class Claim:
             return "no rows to compare"
         if len(set(verdicts)) == 1:
             return verdicts[0]
-        return ", ".join(f"{v} in {verdicts.count(v)}" for v in (HOLDS, FAILS, UNCLEAR, FEW) if v in verdicts)
+        order = (HOLDS, FAILS, UNCLEAR, FEW, NOT_CONVERGED)
+        return ", ".join(f"{v} in {verdicts.count(v)}" for v in order if v in verdicts)
 
 
 def measure(row: dict, kind: str) -> Measure | None:
@@ -107,7 +114,8 @@ def _better(table: str, a: dict, b: dict, kind: str) -> Comparison | None:
     ma, mb = measure(a, kind), measure(b, kind)
     if ma is None or mb is None:
         return None
-    return Comparison(table, name(a), name(b), ma.mean - mb.mean, math.hypot(ma.se, mb.se), (ma.n, mb.n))
+    converged = _converged(a, b)
+    return Comparison(table, name(a), name(b), ma.mean - mb.mean, math.hypot(ma.se, mb.se), (ma.n, mb.n), converged)
 
 
 def _closer(table: str, a: dict, b: dict, ddp: dict, kind: str) -> Comparison | None:
@@ -118,7 +126,13 @@ def _closer(table: str, a: dict, b: dict, ddp: dict, kind: str) -> Comparison | 
         return None
     ga, gb = ma.mean - md.mean, mb.mean - md.mean
     se = math.hypot(ma.se, mb.se) if ga * gb >= 0 else math.sqrt(ma.se**2 + mb.se**2 + 4 * md.se**2)
-    return Comparison(table, name(a), name(b), abs(gb) - abs(ga), se, (min(ma.n, md.n), min(mb.n, md.n)))
+    runs = (min(ma.n, md.n), min(mb.n, md.n))
+    return Comparison(table, name(a), name(b), abs(gb) - abs(ga), se, runs, _converged(a, b, ddp))
+
+
+def _converged(*rows: dict) -> bool:
+    """Whether every run of these rows passed its convergence gate (a row without the entry: no)."""
+    return all(r.get("converged") is True for r in rows)
 
 
 def _sdp(row: dict) -> bool:
@@ -316,8 +330,10 @@ def claims_markdown(tables: dict[str, dict], memory: list[MemoryPoint], *, comma
         "loss (text tables); every difference d is oriented so that d > 0 is the claim's direction, with its "
         f"standard error SE over seeds (sqrt(s1^2/n1 + s2^2/n2)). Rule: **{HOLDS}** when d > {Z:g} SE, "
         f"**{FAILS}** when d < -{Z:g} SE, **{UNCLEAR}** in between, **{FEW}** when a row has fewer than "
-        f"{MIN_RUNS} completed runs. A claim's verdict is its comparisons' verdict when they agree, else the "
-        "count of each.",
+        f"{MIN_RUNS} completed runs, and **{NOT_CONVERGED}**, never a verdict, when a run of a row compared (or of "
+        "DDP, where the claim reads DDP's quality) did not pass its convergence gate (its smoothed eval metric "
+        "moved by trainer.plateau_threshold or more over the last 20% of its steps). A claim's verdict is its "
+        "comparisons' verdict when they agree, else the count of each.",
         "",
     ]
     for claim in quality_claims(tables):

@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from sdp.analysis.tables import MIB, convergence, find_runs, variant_label
+from sdp.analysis.tables import MIB, convergence, find_runs, gates, variant_label
 from sdp.rundir import Summary
 
 COLUMNS = (
@@ -70,6 +70,7 @@ def row_of(variant: str, members: list[tuple[Path, Summary]], kind: str) -> dict
         "syncs": outer.get("syncs"),
         "run_dirs": [str(d) for d, _ in members],
     }
+    row.update(gates(members, kind))
     row["convergence"] = convergence(row, kind)
     return row
 

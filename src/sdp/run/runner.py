@@ -17,6 +17,7 @@ from sdp import dist, rundir
 from sdp.data import DataBundle, build_data, prepare_data
 from sdp.errors import ConfigError, Interrupted, PeerLost, RunFailed
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.convergence import gate_metric, plateau
 from sdp.metrics.logger import RunLogger
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.outer import check_resize, is_outer
@@ -359,6 +360,10 @@ def _train(cfg, built: Built, summary: Summary, *, world, device, logger, run_di
     summary.update(train(loop, tcfg, world=world, start_step=start_step, stop_requested=signals))
     if summary.stopped_at:
         summary.stopped_by = signals.reason or "trainer.stop_at_step"
+    elif world.is_main:  # every evaluation of the run, its resumed launches' too, is in metrics.jsonl
+        metric = gate_metric(built.data.kind)
+        evals = rundir.evaluations(run_dir, metric)
+        summary.convergence = plateau(evals, steps=tcfg.max_steps, metric=metric, threshold=tcfg.plateau_threshold)
     summary.update(
         loop.meter.figures(world_size=world.world_size, precision=cfg.parallelism.mixed_precision, seq_len=seq_len)
     )

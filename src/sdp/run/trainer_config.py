@@ -49,6 +49,9 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     eval_every: int = 200  # 0: evaluate only at the end
     eval_batch_size: int | None = None  # None: the per-rank train micro-batch
+    # The convergence gate (sdp.metrics.convergence): the run has converged when its smoothed eval
+    # metric moved by less than this (relative) over the last 20% of its steps.
+    plateau_threshold: float = 0.005
     log_every: int = 10
     grad_clip: float = 1.0  # 0: no clipping
     device: Device = Device.auto
@@ -98,6 +101,8 @@ def validate_trainer(cfg: TrainerConfig, *, world_size: int) -> None:
         raise ConfigError("trainer.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
     if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
         raise ConfigError("trainer.eval_batch_size", cfg.eval_batch_size, "must be >= 1 or null")
+    if not 0 < cfg.plateau_threshold < 1:
+        raise ConfigError("trainer.plateau_threshold", cfg.plateau_threshold, "must be in (0, 1): a relative change")
     if cfg.grad_clip < 0:
         raise ConfigError("trainer.grad_clip", cfg.grad_clip, "must be >= 0 (0: no clipping)")
     if cfg.export == "hf" and not cfg.save_model:

@@ -100,6 +100,8 @@ class Summary:
     eval_loss: float | None = None
     eval_acc: float | None = None  # image models
     eval_token_acc: float | None = None  # language models: next-token accuracy
+    # The convergence gate of the eval metric (sdp.metrics.convergence.plateau; {} until the run ends).
+    convergence: dict = field(default_factory=dict)
     nonfinite_skipped_steps: list[int] = field(default_factory=list)
     checkpoint_failures: int = 0
     checkpoints_written: int = 0

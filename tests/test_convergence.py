@@ -1,0 +1,41 @@
+"""The convergence gate (sdp.metrics.convergence): the smoothed eval metric's relative change over
+the last 20% of the steps, against the threshold."""
+
+import pytest
+
+from sdp.metrics.convergence import plateau, smoothed
+
+
+def test_the_smoothed_value_averages_the_last_tenth_of_the_steps_up_to_a_step():
+    evals = [(10, 1.0), (60, 2.0), (70, 4.0), (80, 6.0), (100, 3.0)]
+    assert smoothed(evals, 80, steps=100) == 6.0  # (70, 80]: step 80 alone
+    assert smoothed([*evals[:3], (75, 2.0), *evals[3:]], 80, steps=100) == 4.0  # steps 75 and 80: the mean
+    assert smoothed(evals, 75, steps=100) == 4.0  # (65, 75]: step 70
+    assert smoothed(evals, 65, steps=100) == 2.0  # (55, 65]: step 60
+    assert smoothed(evals, 50, steps=100) == 1.0  # nothing in (40, 50]: the last at or before, step 10
+    assert smoothed(evals, 5, steps=100) is None
+
+
+def test_a_run_passes_when_its_smoothed_metric_moved_less_than_the_threshold():
+    evals = [(s, 2.0 - 0.001 * s) for s in range(10, 101, 10)]  # a loss still falling: 1.92 -> 1.90
+    gate = plateau(evals, steps=100, metric="eval_loss")
+    assert (gate["from_step"], gate["to_step"], gate["threshold"]) == (80, 100, 0.005)
+    assert gate["change"] == pytest.approx(0.02 / 1.9) and gate["plateaued"] is False  # 1.05% >= 0.5%
+    assert plateau(evals, steps=100, metric="eval_loss", threshold=0.011)["plateaued"] is True
+    flat = [(s, 0.9 + (0.001 if s % 20 else 0.0)) for s in range(10, 101, 10)]  # noise of 0.1%
+    assert plateau(flat, steps=100, metric="eval_acc") == {
+        "metric": "eval_acc",
+        "from_step": 80,
+        "to_step": 100,
+        "threshold": 0.005,
+        "change": pytest.approx(0.0),
+        "plateaued": True,
+        "reason": "",
+    }
+
+
+def test_a_run_without_the_evaluations_it_needs_is_undecided():
+    assert plateau([(50, 1.0)], steps=100, metric="eval_loss")["reason"] == "no evaluation at step 100"
+    late = plateau([(90, 1.0), (100, 1.0)], steps=100, metric="eval_loss")
+    assert late["plateaued"] is None and late["reason"] == "no evaluation at or before step 80"
+    assert plateau([], steps=100, metric="eval_loss")["plateaued"] is None
