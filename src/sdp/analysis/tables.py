@@ -32,6 +32,7 @@ from sdp.analysis.claims import (
     points_from_tables,
     quality_claims,
 )
+from sdp.analysis.target import costs_to_target, target_value
 from sdp.errors import ConfigError
 from sdp.metrics.convergence import gate_metric, plateau
 from sdp.paths import DamagedFile, describe, read_json_lines, read_yaml_mapping
@@ -80,7 +81,7 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"record"}  # record: the file itself
 # Settings that do not make two runs different rows: seeds are averaged, the rest is bookkeeping.
 NOT_A_SETTING = ("seed", "name", "run_dir", "output_root", "logger")
-NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step")
+NOT_A_TRAINER_SETTING = ("progress", "checkpoint_every", "keep_checkpoints", "stop_at_step", "plateau_threshold")
 
 
 def settings(run_dir: Path) -> dict:
@@ -116,7 +117,7 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
         siblings: dict[tuple, list[dict]] = defaultdict(list)
         for label, coverage, protocol, config in by_key:
             siblings[(label, coverage, protocol)].append(by_dotted_key(json.loads(config)))
-        rows = []
+        rows, members_of = [], []
         for (label, coverage, protocol, config), members in by_key.items():
             flat, others = by_dotted_key(json.loads(config)), siblings[(label, coverage, protocol)]
             differing = sorted({k for o in others for k in o.keys() | flat.keys() if o.get(k) != flat.get(k)})
@@ -140,7 +141,12 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             row["run_dirs"] = [str(d) for d, _ in members]
             row.update(gates(members, kinds[table]))
             rows.append(row)
+            members_of.append(members)
         ddp = next((r for r in rows if r["variant"] == "DDP"), None)
+        final = ddp and ddp["eval_acc" if kinds[table] == "image" else "eval_loss"]
+        target = None if final is None else target_value(final, kinds[table])
+        for row, members in zip(rows, members_of, strict=True):
+            row.update(costs_to_target(members, target, kinds[table]))
         for row in rows:
             for key in ("peak_gib", "static_gib", "cuda_peak_gib"):
                 base = ddp.get(key) if ddp else None
@@ -189,6 +195,23 @@ def _fmt(value, spec: str = ".3f", std=None) -> str:
     return f"{text} ± {format(std, spec)}" if std else text
 
 
+def _target_words(rows: list[dict], kind: str) -> str:
+    target = next((r["target"] for r in rows if r.get("target") is not None), None)
+    if target is None:
+        return "none: no DDP result"
+    if kind == "image":
+        return f"99% of DDP's final eval accuracy, {100 * target:.2f}%"
+    return f"an eval loss within 1% of DDP's final one, {target:.4f}"
+
+
+def _to_target(r: dict) -> list[str]:
+    if r.get("target") is None:
+        return ["—"] * 3
+    if r["target_steps"] is None:
+        return ["not reached"] * 3
+    return [_fmt(r["target_steps"], ".0f"), _fmt(r["target_samples"], ",.0f"), _fmt(r["target_mib"], ",.1f")]
+
+
 def _pct(value) -> str:
     return "—" if value is None else f"{value * 100:+.1f}%"
 
@@ -213,6 +236,9 @@ def markdown(table: str, info: dict, *, command: str) -> str:
         f"{unit}/rank",
         "comm MiB/step",
         "step s",
+        "steps to target",
+        f"{'samples' if kind == 'image' else 'tokens'} to target",
+        "MiB sent to target",
     ]
     lines = [
         f"# {table}",
@@ -227,6 +253,10 @@ def markdown(table: str, info: dict, *, command: str) -> str:
         f"Convergence check: {info.get('convergence') or 'no DDP row'}. *converged*: every run of the row passed "
         "its gate (the smoothed eval metric moved by less than trainer.plateau_threshold over the last 20% of the "
         "steps); the claims give no verdict on a row that did not.",
+        "",
+        f"Costs to a target ({_target_words(rows, kind)}): the steps, {'samples' if kind == 'image' else 'tokens'} "
+        "and MiB one worker sent until every run of the row first evaluated at or past it (means over the runs; "
+        "'not reached' when a run never did; resolved to trainer.eval_every).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -253,6 +283,7 @@ def markdown(table: str, info: dict, *, command: str) -> str:
             _fmt(r["throughput_per_rank"], ".0f"),
             _fmt(r["comm_mib_per_step"], ".2f"),
             _fmt(r["step_time_s"], ".3f"),
+            *_to_target(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -279,6 +310,10 @@ CSV_KEYS = [
     "throughput_per_rank",
     "comm_mib_per_step",
     "step_time_s",
+    "target",
+    "target_steps",
+    "target_samples",
+    "target_mib",
 ]
 
 
