@@ -146,7 +146,8 @@ def test_collect_writes_markdown_csv_and_plots(tmp_path):
     written = collect([runs], tmp_path / "out", command="python -m sdp.collect runs")
     names = sorted(p.name for p in written)
     assert names == sorted(
-        f"resnet_tiny_fashion_mnist{s}" for s in (".md", ".csv", "_loss.png", "_memory.png", "_quality.png")
+        f"resnet_tiny_fashion_mnist{s}"
+        for s in (".md", ".csv", "_loss.png", "_memory.png", "_quality.png", "_curves.png")
     )
     md = (tmp_path / "out" / "resnet_tiny_fashion_mnist.md").read_text()
     assert "| B-SDP backward | 0.5 |" in md and "-25.0%" in md and "78.00" in md

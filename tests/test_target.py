@@ -7,7 +7,7 @@ import yaml
 from test_collect import _run
 
 from sdp.analysis.tables import build_rows, collect, find_runs
-from sdp.analysis.target import first_reached, target_value
+from sdp.analysis.target import curve, first_reached, target_value
 
 
 def _evals(run_dir, points, *, metric="eval_acc", batch=32):
@@ -46,3 +46,16 @@ def test_a_language_target_is_a_loss_within_one_percent_of_ddps():
     assert target == 3.96 / 0.99
     assert first_reached([(10, 4.5), (20, 4.01), (30, 3.99)], target, "text") == 30  # 4.01 > 4.0 = target
     assert first_reached([(10, 0.5), (20, 0.7)], target_value(0.8, "image"), "image") is None
+
+
+def test_a_rows_curve_is_the_mean_of_its_runs_at_the_steps_all_evaluated(tmp_path):
+    kw = dict(masking="forward", coverage=0.5, comm_bytes_per_step=2**21)
+    _evals(_run(tmp_path, "fwd-s0", **kw), [(4, 0.5), (8, 0.7), (10, 0.8)], batch=16)
+    _evals(_run(tmp_path, "fwd-s1", seed=1, **kw), [(4, 0.6), (10, 0.7)], batch=16)
+    (row,) = build_rows(find_runs([tmp_path]))["resnet_tiny_fashion_mnist"]["rows"]
+    assert curve(row, "image") == {
+        "steps": [4, 10],  # step 8: one run only
+        "values": [0.55, 0.75],
+        "samples": [64, 160],
+        "mib": [8.0, 20.0],  # 2 MiB a step
+    }

@@ -32,7 +32,7 @@ from sdp.analysis.claims import (
     points_from_tables,
     quality_claims,
 )
-from sdp.analysis.target import costs_to_target, target_value
+from sdp.analysis.target import costs_to_target, curve, target_value
 from sdp.errors import ConfigError
 from sdp.metrics.convergence import gate_metric, plateau
 from sdp.paths import DamagedFile, describe, read_json_lines, read_yaml_mapping
@@ -358,7 +358,29 @@ def plots(table: str, info: dict, out: Path) -> list[Path]:
     _quality(ax, rows, kind)
     ax.set_title(f"{table}: quality against coverage")
     written.append(_save(fig, out / f"{table}_quality.png"))
+    written.append(_curves(table, rows, kind, out, plt))
     return written
+
+
+def _curves(table: str, rows: list[dict], kind: str, out: Path, plt) -> Path:
+    """Eval quality against steps, samples (or tokens) and MiB sent per worker, a line per row
+    (mean over its runs), DDP's target as a dotted line."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    unit = "samples" if kind == "image" else "tokens"
+    for r in rows:
+        c = curve(r, kind)
+        for ax, x in zip(axes, (c["steps"], c["samples"], c["mib"]), strict=True):
+            if x and c["values"]:
+                ax.plot(x, c["values"], marker=".", lw=1.2, label=_label(r))
+    target = next((r["target"] for r in rows if r.get("target") is not None), None)
+    for ax, xlabel in zip(axes, ("step", unit, "MiB sent per worker"), strict=True):
+        if target is not None:
+            ax.axhline(target, color="black", ls=":", lw=1, label="target (99% of DDP)")
+        ax.set(xlabel=xlabel)
+    axes[0].set(ylabel="eval accuracy" if kind == "image" else "eval loss")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"{table}: quality against steps, {unit} and bytes sent (mean over seeds)")
+    return _save(fig, out / f"{table}_curves.png")
 
 
 def _quality(ax, rows: list[dict], kind: str) -> None:

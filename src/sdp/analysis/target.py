@@ -1,5 +1,6 @@
 """What each row of a table paid to reach a quality: the steps, the samples (or tokens) and the
-bytes one worker sent until its eval metric first reached 99% of DDP's final quality.
+bytes one worker sent until its eval metric first reached 99% of DDP's final quality; and its
+eval curve against each of the three (`curve`, the tables' `_curves.png`).
 
 The target is 99% of the DDP row's final eval accuracy (image tables), or an eval loss within
 1% of DDP's final one, DDP's / 0.99 (text tables). A run reaches it at its first evaluation at
@@ -35,7 +36,7 @@ def first_reached(evals: list[tuple[int, float]], target: float, kind: str) -> i
     return None
 
 
-def _batch(run_dir: Path, kind: str) -> int | None:
+def batch_of(run_dir: Path, kind: str) -> int | None:
     """Samples (image) or tokens (text) a step, from the run's config.yaml; None if it lacks them."""
     path = Path(run_dir) / CONFIG
     config = read_yaml_mapping(path) if path.is_file() else {}
@@ -58,7 +59,7 @@ def costs_to_target(members: list[tuple[Path, Summary]], target: float | None, k
         step = first_reached(evaluations(run_dir, metric), target, kind)
         if step is None:
             return out
-        batch = _batch(run_dir, kind)
+        batch = batch_of(run_dir, kind)
         per_rank = s.comm_bytes_per_step_per_rank or [s.comm_bytes_per_step or 0.0]
         steps.append(step)
         samples.append(None if batch is None else step * batch)
@@ -66,3 +67,19 @@ def costs_to_target(members: list[tuple[Path, Summary]], target: float | None, k
     out["target_steps"], out["target_mib"] = statistics.fmean(steps), statistics.fmean(mib)
     out["target_samples"] = None if None in samples else statistics.fmean(samples)
     return out
+
+
+def curve(row: dict, kind: str) -> dict:
+    """A row's eval metric against steps, samples (or tokens) and MiB sent per worker: the mean
+    over its runs at the steps every run evaluated; samples from its first run's batch (None
+    when its config lacks it), MiB from the row's busiest-rank bytes a step."""
+    metric = "eval_acc" if kind == "image" else "eval_loss"
+    per_run = [dict(evaluations(Path(d), metric)) for d in row["run_dirs"]]
+    steps = sorted(set.intersection(*(set(e) for e in per_run))) if per_run else []
+    batch = batch_of(Path(row["run_dirs"][0]), kind) if row["run_dirs"] else None
+    return {
+        "steps": steps,
+        "values": [statistics.fmean(e[s] for e in per_run) for s in steps],
+        "samples": None if batch is None else [s * batch for s in steps],
+        "mib": [s * (row.get("comm_mib_per_step") or 0.0) for s in steps],
+    }
