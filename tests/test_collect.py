@@ -8,7 +8,7 @@ import yaml
 from wandb_records import offline_run
 
 from sdp.analysis import lowcomm
-from sdp.analysis.tables import _quality, build_rows, collect, find_runs, variant_label
+from sdp.analysis.tables import _quality, build_rows, ci95, collect, find_runs, variant_label
 from sdp.collect import main
 from sdp.rundir import Summary
 
@@ -82,6 +82,9 @@ def test_rows_average_seeds_and_compare_with_ddp(tmp_path):
         and sdp["eval_acc"] == pytest.approx(0.72)
         and sdp["eval_acc_std"] == pytest.approx(0.0283, abs=1e-4)
     )
+    # 95% CI of a mean of 2 runs: t(0.975, 1) = 12.706 times sd / sqrt(2); none for one run.
+    assert sdp["eval_acc_ci95"] == pytest.approx(12.706 * sdp["eval_acc_std"] / 2**0.5)
+    assert rows["DDP"]["eval_acc_ci95"] is None
     assert sdp["peak_gib_vs_ddp"] == pytest.approx(-0.5)
     assert sdp["static_gib_vs_ddp"] == pytest.approx(3 / 4 - 1)
     assert rows["N-SDP forward [optim.lr=0.2]"]["eval_acc"] == pytest.approx(0.6)
@@ -254,3 +257,10 @@ def test_collect_logs_its_tables_plots_and_claims_to_one_offline_wandb_run(tmp_p
     (claims,) = (run["dir"] / "files" / "media" / "table").glob("claims_0_*.table.json")
     rows = json.loads(claims.read_text())["data"]
     assert [(r[0], r[2], r[3], r[-1]) for r in rows] == [("4b", "B-SDP backward C=0.5", "DDP", "too few runs")]
+
+
+def test_the_confidence_interval_uses_students_t_and_the_normal_beyond_30_runs():
+    assert ci95(1.0, 5) == pytest.approx(2.776 / 5**0.5)  # t(0.975, 4)
+    assert ci95(1.0, 31) == pytest.approx(2.042 / 31**0.5)  # t(0.975, 30)
+    assert ci95(1.0, 32) == pytest.approx(1.96 / 32**0.5)
+    assert ci95(None, 5) is None and ci95(1.0, 1) is None
