@@ -158,7 +158,7 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             rows.append(row)
             members_of.append(members)
         ddp = next((r for r in rows if r["variant"] == "DDP"), None)
-        final = ddp and ddp["eval_acc" if kinds[table] == "image" else "eval_loss"]
+        final = ddp and ddp[gate_metric(kinds[table])]
         target = None if final is None else target_value(final, kinds[table])
         for row, members in zip(rows, members_of, strict=True):
             row.update(costs_to_target(members, target, kinds[table]))
@@ -179,9 +179,8 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
 def gates(members: list[tuple[Path, Summary]], kind: str) -> dict:
     """A row's convergence gates, one a run (its summary.json's; for a run dir from before the
     gate, computed from its metrics.jsonl at the default threshold), and whether all pass."""
-    out = []
+    out, metric = [], gate_metric(kind)
     for run_dir, s in members:
-        metric = gate_metric(kind)
         out.append(s.convergence or plateau(evaluations(run_dir, metric), steps=s.steps or 0, metric=metric))
     return {"gates": out, "converged": bool(out) and all(g.get("plateaued") is True for g in out)}
 

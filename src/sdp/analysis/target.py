@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from sdp.metrics.convergence import gate_metric
 from sdp.paths import read_yaml_mapping
 from sdp.rundir import CONFIG, Summary, evaluations
 
@@ -53,7 +54,7 @@ def costs_to_target(members: list[tuple[Path, Summary]], target: float | None, k
     out = {"target": target, "target_steps": None, "target_samples": None, "target_mib": None}
     if target is None:
         return out
-    metric = "eval_acc" if kind == "image" else "eval_loss"
+    metric = gate_metric(kind)
     steps, samples, mib = [], [], []
     for run_dir, s in members:
         step = first_reached(evaluations(run_dir, metric), target, kind)
@@ -73,7 +74,7 @@ def curve(row: dict, kind: str) -> dict:
     """A row's eval metric against steps, samples (or tokens) and MiB sent per worker: the mean
     over its runs at the steps every run evaluated; samples from its first run's batch (None
     when its config lacks it), MiB from the row's busiest-rank bytes a step."""
-    metric = "eval_acc" if kind == "image" else "eval_loss"
+    metric = gate_metric(kind)
     per_run = [dict(evaluations(Path(d), metric)) for d in row["run_dirs"]]
     steps = sorted(set.intersection(*(set(e) for e in per_run))) if per_run else []
     batch = batch_of(Path(row["run_dirs"][0]), kind) if row["run_dirs"] else None
