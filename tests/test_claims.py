@@ -144,3 +144,18 @@ def test_a_row_that_did_not_converge_gets_no_verdict_and_neither_does_a_comparis
     assert f"**Verdict: {NOT_CONVERGED}.**" in md
     table = (runs.parent / "out" / "resnet_tiny_fashion_mnist.md").read_text()
     assert "| DDP | 1 | same_iteration | 10 | 3 | **no** |" in table
+
+
+def test_n_sdp_is_compared_with_the_dense_model_of_its_subnetworks_size(runs):
+    # DDP of the model at model.inner_width=0.5: the dense control of N-SDP at C = 0.5.
+    _seeds(runs, "dense", [0.75, 0.76, 0.74], inner_width=0.5)
+    _seeds(runs, "dense-wide", [0.75, 0.76, 0.74], inner_width=0.75)  # no N-SDP row at C = 0.75
+    rows = build_rows(find_runs([runs]))["resnet_tiny_fashion_mnist"]["rows"]
+    assert [r["variant"] for r in rows][:3] == ["DDP", "DDP (inner width 0.5)", "DDP (inner width 0.75)"]
+    claims = _claims(runs)
+    # Against the same-iteration N-SDP row only (flop_matched trains other steps); -5 points.
+    (control,) = claims["6"].comparisons
+    assert (control.first, control.second) == ("N-SDP forward C=0.5", "DDP (inner width 0.5)")
+    assert control.d == pytest.approx(-5.0) and control.verdict == FAILS
+    # The controls are not DDP, nor SDP: claim 4b still reads the one same-iteration SDP row.
+    assert [(c.first, c.second) for c in claims["4b"].comparisons] == [("N-SDP forward C=0.5", "DDP")]

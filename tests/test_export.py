@@ -48,8 +48,13 @@ def fake_run(tmp_path, overrides: list[str]):
     return run_dir, model
 
 
-def test_a_llama_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
-    run_dir, model = fake_run(tmp_path, ["model=llama_tiny", "dataset=synthetic_text"])
+# model.inner_width: 1 is the model as configured, 0.5 the dense control of N-SDP at C = 0.5.
+WIDTHS = ["model.inner_width=1.0", "model.inner_width=0.5"]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_llama_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path, width):
+    run_dir, model = fake_run(tmp_path, ["model=llama_tiny", "dataset=synthetic_text", width])
     assert export.main([str(run_dir)]) == 0
     assert sorted(p.name for p in (run_dir / "hf").iterdir()) == [
         "config.json",
@@ -110,8 +115,9 @@ def test_without_a_tokenizer_the_model_names_no_special_ids(tmp_path, capsys):
     assert [key for key in SPECIAL_IDS if key in generation] == []
 
 
-def test_a_resnet_builds_from_torchvision_with_its_builder_json(tmp_path):
-    run_dir, model = fake_run(tmp_path, ["model=resnet_tiny", "dataset=synthetic_image"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_resnet_builds_from_torchvision_with_its_builder_json(tmp_path, width):
+    run_dir, model = fake_run(tmp_path, ["model=resnet_tiny", "dataset=synthetic_image", width])
     assert export.main([str(run_dir)]) == 0
     spec = json.loads((run_dir / "hf" / "builder.json").read_text())
     assert spec["library"] == "torchvision" and spec["class"] == "torchvision.models.resnet.ResNet"
@@ -119,14 +125,22 @@ def test_a_resnet_builds_from_torchvision_with_its_builder_json(tmp_path):
     rebuilt.conv1 = nn.Conv2d(**spec["conv1"])
     if spec["maxpool"] == "identity":
         rebuilt.maxpool = nn.Identity()
+    stages = [rebuilt.layer1, rebuilt.layer2, rebuilt.layer3, rebuilt.layer4]
+    for stage, inner in zip(stages, spec["inner_channels"], strict=True):
+        for block in stage:  # builder.json's recipe, where the inner channels differ from the stage's
+            if inner != block.conv2.out_channels:
+                block.conv1 = nn.Conv2d(block.conv1.in_channels, inner, 3, block.conv1.stride, 1, bias=False)
+                block.bn1 = nn.BatchNorm2d(inner)
+                block.conv2 = nn.Conv2d(inner, block.conv2.out_channels, 3, 1, 1, bias=False)
     rebuilt.load_state_dict(load_file(run_dir / "hf" / "model.safetensors"), strict=True)
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(rebuilt.eval()(images), model(images))
 
 
-def test_a_swin_builds_from_timm_with_its_builder_json(tmp_path):
-    run_dir, model = fake_run(tmp_path, ["model=swin_tiny", "dataset=synthetic_image"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_swin_builds_from_timm_with_its_builder_json(tmp_path, width):
+    run_dir, model = fake_run(tmp_path, ["model=swin_tiny", "dataset=synthetic_image", width])
     assert export.main([str(run_dir)]) == 0
     spec = json.loads((run_dir / "hf" / "builder.json").read_text())
     assert spec["library"] == "timm"

@@ -117,3 +117,26 @@ def test_folded_eval_scaling_equals_scaling_the_site_outputs(family, capacity, s
     x = _input(family)
     torch.testing.assert_close(_out(folded, x), _out(hooked, x), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(_out(folded, x), _out(_plain(family).eval(), x))
+
+
+# (family, K, C) where K divides every unit group of the tiny model at C (llama_tiny has 2 KV groups).
+DENSE_CONTROLS = [("llama", 2, 0.5), ("resnet", 4, 0.5), ("resnet", 4, 0.75), ("swin", 2, 0.5)]
+
+
+@pytest.mark.parametrize("family, workers, coverage", DENSE_CONTROLS)
+def test_the_dense_control_is_the_forward_masked_subnetwork(family, workers, coverage):
+    """model.inner_width=C builds, for every worker, a model with the tensors of N-SDP forward's
+    subnetwork at coverage C (names and shapes), which computes what the subnetwork computes
+    given its weights: the same-size dense control trains exactly the subnetwork's architecture."""
+    cfg = tiny_model_cfg(family)
+    cfg.inner_width = coverage
+    dense = build_model(cfg).train()
+    masking = MaskingConfig(name="forward", granularity="neuron", coverage=coverage, scale="none")
+    x = _input(family)
+    for rank in range(workers):
+        sub = _plain(family)
+        apply_forward_masking(sub, *plan_mask(sub, masking, family=family, world_size=workers), rank=rank, scale="none")
+        shapes = {name: t.shape for name, t in sub.state_dict().items()}
+        assert {name: t.shape for name, t in dense.state_dict().items()} == shapes
+        dense.load_state_dict(sub.state_dict(), strict=True)
+        assert torch.equal(_out(dense, x), _out(sub, x))

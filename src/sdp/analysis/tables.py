@@ -55,6 +55,7 @@ def variant_label(summary: Summary) -> str:
         mixed_precision=summary.mixed_precision,
         capacity=(summary.strategy.get("mask") or {}).get("capacity"),
         outer=summary.outer,
+        inner_width=summary.inner_width,
     )
 
 
@@ -139,6 +140,7 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             sums = [s for _, s in members]
             row = {"variant": label, "coverage": coverage, "protocol": protocol, "runs": len(sums)}
             row["steps"] = sums[0].steps
+            row["inner_width"] = sums[0].inner_width
             if kinds[table] == "image":
                 row["eval_acc"], row["eval_acc_std"] = _mean_std([s.eval_acc for s in sums])
             row["eval_loss"], row["eval_loss_std"] = _mean_std([s.eval_loss for s in sums])
@@ -167,9 +169,9 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
                 base = ddp.get(key) if ddp else None
                 row[f"{key}_vs_ddp"] = row[key] / base - 1 if base and row.get(key) is not None else None
         order = ["DDP", "FSDP", "Dropout", "Stochastic depth"]
-        rows.sort(
-            key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 9, r["variant"], -r["coverage"])
-        )
+        base = [r["variant"].split(" (inner width")[0] for r in rows]  # dense controls after DDP
+        rank = {id(r): order.index(b) if b in order else 9 for r, b in zip(rows, base, strict=True)}
+        rows.sort(key=lambda r: (rank[id(r)], r["variant"], -r["coverage"]))
         tables[table] = {"rows": rows, "incomplete": incomplete[table], "kind": kinds[table]}
         tables[table]["convergence"] = convergence(ddp, kinds[table]) if ddp else None
         tables[table]["not_converged"] = [r["variant"] for r in rows if not r["converged"]]

@@ -7,6 +7,7 @@ small config; `build_model` dispatches on `family`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,9 @@ class LlamaConfig:
     # makes every token's logits at once.
     loss: Loss = Loss.chunked
     loss_chunk_tokens: int = 1024
+    # Scales the widths neuron SDP slices (see `INNER_WIDTH`): intermediate_size and the KV groups,
+    # with the query heads of each group and the head dimension, hidden_size / num_heads, kept.
+    inner_width: float = 1.0
 
 
 @dataclass
@@ -53,6 +57,9 @@ class ResNetConfig:
     stem_kernel: int = 3
     stem_stride: int = 1
     stem_pool: bool = False
+    # Scales the widths neuron SDP slices (see `INNER_WIDTH`): every BasicBlock's inner channels
+    # (conv1's outputs, conv2's inputs); the stages' widths (64, 128, 256, 512) are kept.
+    inner_width: float = 1.0
 
 
 @dataclass
@@ -70,6 +77,18 @@ class SwinConfig:
     mlp_ratio: float = 4.0
     drop_path_rate: float = 0.0
     num_classes: int = 10
+    # Scales the widths neuron SDP slices (see `INNER_WIDTH`): every block's MLP hidden units and
+    # its heads, the head dimension (the same in every stage) kept.
+    inner_width: float = 1.0
+
+
+# model.inner_width: the widths that neuron SDP's units slice, scaled by a factor w, and nothing
+# else (embeddings, the residual stream, stems, norms and classifiers keep their sizes). At
+# w = C the dense model has exactly the tensors of the subnetwork that forward masking at
+# coverage C gives each worker, when the worker count divides every group's units, so DDP
+# trains the same-size dense control (docs/sdp.md, "The dense control"). Every scaled count must
+# be a whole number >= 1.
+INNER_WIDTH = "model.inner_width"
 
 
 ModelConfig = LlamaConfig | ResNetConfig | SwinConfig
@@ -106,8 +125,77 @@ def _block_count(cfg: ModelConfig) -> tuple[str, object, int] | None:
     return None
 
 
+def scaled(count: int, cfg: ModelConfig, what: str) -> int:
+    """`count` units of one kind (`what`, e.g. "model.num_kv_heads=2 KV groups") times
+    model.inner_width: a whole number >= 1, or a ConfigError naming the width."""
+    w = cfg.inner_width
+    exact = count * w
+    whole = round(exact) if math.isfinite(exact) else 0
+    if whole < 1 or abs(exact - whole) > 1e-9 * max(1.0, exact):
+        raise ConfigError(
+            INNER_WIDTH, w, f"gives {count} x {w:g} = {exact:g} {what}, which must be a whole number >= 1"
+        )
+    return int(whole)
+
+
+def llama_widths(cfg: LlamaConfig) -> dict:
+    """transformers.LlamaConfig's widths of the configured LLaMA, model.inner_width applied
+    (head_dim explicit, since num_heads no longer divides hidden_size into it)."""
+    if cfg.inner_width == 1:
+        return {
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+        }
+    kv = scaled(cfg.num_kv_heads, cfg, f"KV groups (model.num_kv_heads={cfg.num_kv_heads})")
+    return {
+        "intermediate_size": scaled(
+            cfg.intermediate_size, cfg, f"FFN units (model.intermediate_size={cfg.intermediate_size})"
+        ),
+        "num_attention_heads": kv * (cfg.num_heads // cfg.num_kv_heads),
+        "num_key_value_heads": kv,
+        "head_dim": cfg.hidden_size // cfg.num_heads,
+    }
+
+
+RESNET_STAGE_WIDTHS = (64, 128, 256, 512)  # torchvision's BasicBlock stages
+
+
+def resnet_inner_channels(cfg: ResNetConfig) -> list[int]:
+    """Each stage's BasicBlock inner channels, model.inner_width applied."""
+    return [scaled(c, cfg, f"inner channels (a BasicBlock of {c})") for c in RESNET_STAGE_WIDTHS]
+
+
+def swin_widths(cfg: SwinConfig) -> dict:
+    """timm's num_heads, head_dim and mlp_ratio for the configured Swin, model.inner_width applied."""
+    if cfg.inner_width == 1:
+        return {"num_heads": list(cfg.num_heads), "head_dim": None, "mlp_ratio": cfg.mlp_ratio}
+    if min(cfg.num_heads, default=0) < 1:
+        raise ConfigError("model.num_heads", cfg.num_heads, "every stage needs >= 1 head")
+    dims = [cfg.embed_dim * 2**i for i in range(len(cfg.depths))]
+    head_dims = {d // h for d, h in zip(dims, cfg.num_heads, strict=True)}
+    if len(head_dims) != 1:
+        raise ConfigError(
+            INNER_WIDTH,
+            cfg.inner_width,
+            f"needs one head dimension in every stage (timm's head_dim); "
+            f"model.embed_dim={cfg.embed_dim} and model.num_heads={list(cfg.num_heads)} give {sorted(head_dims)}",
+        )
+    heads = [scaled(h, cfg, f"heads (a stage's model.num_heads={h})") for h in cfg.num_heads]
+    # timm's Mlp has int(dim * mlp_ratio) hidden units, with one mlp_ratio for every stage.
+    hidden = [scaled(int(d * cfg.mlp_ratio), cfg, f"MLP units (a stage of dimension {d})") for d in dims]
+    ratio = hidden[0] / dims[0]
+    if [int(d * ratio) for d in dims] != hidden:
+        raise ConfigError(
+            INNER_WIDTH, cfg.inner_width, f"gives the stages MLPs of {hidden} units, which no single mlp_ratio makes"
+        )
+    return {"num_heads": heads, "head_dim": head_dims.pop(), "mlp_ratio": ratio}
+
+
 def validate_model(cfg: ModelConfig) -> None:
     """Shape constraints the upstream constructors would otherwise fail on deep inside."""
+    if not cfg.inner_width > 0 or math.isinf(cfg.inner_width):
+        raise ConfigError(INNER_WIDTH, cfg.inner_width, "must be a number > 0 (1: the model as configured)")
     count = _block_count(cfg)
     if count is not None and count[2] > MAX_BLOCKS:
         raise ConfigError(count[0], count[1], f"gives {count[2]} blocks, more than the {MAX_BLOCKS} allowed")
@@ -136,6 +224,17 @@ def validate_model(cfg: ModelConfig) -> None:
             raise ConfigError("model.num_heads", cfg.num_heads, f"one entry per stage of model.depths={cfg.depths}")
         if cfg.img_size % cfg.patch_size:
             raise ConfigError("model.patch_size", cfg.patch_size, f"must divide model.img_size={cfg.img_size}")
+    _check_widths(cfg)
+
+
+def _check_widths(cfg: ModelConfig) -> None:
+    """model.inner_width's scaled counts, refused in one line before anything is built."""
+    if isinstance(cfg, LlamaConfig):
+        llama_widths(cfg)
+    elif isinstance(cfg, ResNetConfig) and cfg.inner_width != 1:
+        resnet_inner_channels(cfg)
+    elif isinstance(cfg, SwinConfig):
+        swin_widths(cfg)
 
 
 def vision_builder(cfg: ModelConfig) -> dict:

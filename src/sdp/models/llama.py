@@ -8,7 +8,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from sdp.models import LlamaConfig
+from sdp.models import LlamaConfig, llama_widths
 from sdp.models.loss import chunked_cross_entropy
 
 # Causal attention over whole sequences (the data packs them, no padding): transformers' own SDPA
@@ -45,10 +45,8 @@ def build_llama(cfg: LlamaConfig) -> LlamaLM:
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
+        **llama_widths(cfg),
         max_position_embeddings=cfg.max_seq_len,
         tie_word_embeddings=cfg.tie_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,

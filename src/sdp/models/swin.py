@@ -5,7 +5,7 @@ from __future__ import annotations
 import timm
 from torch import nn
 
-from sdp.models import SwinConfig
+from sdp.models import SwinConfig, swin_widths
 
 TIMM_NAME = "swin_tiny_patch4_window7_224"
 
@@ -19,8 +19,7 @@ def swin_kwargs(cfg: SwinConfig) -> dict:
         "window_size": cfg.window_size,
         "embed_dim": cfg.embed_dim,
         "depths": list(cfg.depths),
-        "num_heads": list(cfg.num_heads),
-        "mlp_ratio": cfg.mlp_ratio,
+        **swin_widths(cfg),
         "drop_path_rate": cfg.drop_path_rate,
         "num_classes": cfg.num_classes,
     }

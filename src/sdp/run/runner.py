@@ -54,6 +54,7 @@ def pivot_keys(cfg: RunConfig) -> dict:
         mixed_precision=cfg.parallelism.mixed_precision,
         capacity=cfg.masking.capacity,
         outer=dataclasses.asdict(cfg.outer),
+        inner_width=cfg.model.inner_width,
     )
     return {"variant": variant, "coverage": cfg.masking.coverage, "protocol": str(cfg.trainer.protocol)}
 
@@ -202,6 +203,7 @@ def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> 
         protocol=cfg.trainer.protocol,
         device=device.type,
         seed=cfg.seed,
+        inner_width=cfg.model.inner_width,
     )
 
 

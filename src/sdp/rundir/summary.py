@@ -34,10 +34,12 @@ def variant_label(
     mixed_precision: str = "fp32",
     capacity: list[float] | None = None,
     outer: dict | None = None,
+    inner_width: float = 1.0,
 ) -> str:
     """The paper's name of a run's variant, plus the memory-saving methods stacked on it, the
     workers' capacities when they differ and an outer loop (`outer`: summary.json's, with name,
-    sync_every and fragments): the tables' rows (`sdp.collect`) and W&B's job_type."""
+    sync_every and fragments), and a model whose SDP-sliced widths are scaled (`model.inner_width`:
+    "DDP (inner width 0.5)" is the dense control): the tables' rows (`sdp.collect`) and W&B's job_type."""
     if masking == "none":
         label = "FSDP" if parallelism == "fsdp" else "DDP"
     elif masking == "dropout":
@@ -50,6 +52,8 @@ def variant_label(
             label += f" x FSDP({fsdp_degree})"
         if capacity is not None and len(set(capacity)) > 1:
             label += f" capacity {listed(capacity)}"
+    if inner_width != 1:
+        label += f" (inner width {inner_width:g})"
     if outer and outer.get("name", "none") != "none":
         fragments = outer.get("fragments", 1)
         label += f" + DiLoCo(H={outer['sync_every']}{f', P={fragments}' if fragments > 1 else ''})"
@@ -81,6 +85,7 @@ class Summary:
     run_dir: str | None = None
     error: str | None = None  # a failed run's "ExceptionType: message"
     n_params: int | None = None
+    inner_width: float = 1.0  # model.inner_width (1: the model as configured; C: the dense control)
     throughput_unit: str | None = None  # tokens/s | samples/s
     strategy: dict = field(default_factory=dict)  # Strategy.describe()
     # The outer loop (outer=diloco; {} without one): its settings, its syncs and bytes per sync.
