@@ -5,7 +5,7 @@
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
 # make mixed-gpus    - workers of different capacities vs uniform coverage and DDP (CPU): per-rank bytes, quality
 # make plans         - docs/plan.md's three worked examples of sdp.plan for llama_1b (results/plan), and their check
-# make tables        - CPU-scale replicas of the paper's tables and plots, 3 seeds a row, and claims.md (results/cpu_replica)
+# make tables        - CPU-scale replicas of the paper's tables and plots: measured step budgets, an lr grid per row, 5 or 3 seeds, claims.md (results/cpu_replica)
 # make rho           - the spectral gap against convergence (results/cpu_replica/rho_convergence.*)
 # make soak          - reliability soak: a sweep of many short runs with one forced failure (CPU)
 SHELL := /bin/bash
@@ -98,9 +98,10 @@ lint: setup
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-# CPU-scale replicas of the paper's tables: sweeps of 4 CPU processes on real offline data, seeds
-# 0-2, then sdp.collect --claims over their run dirs (outputs/cpu_replica; completed runs are not
-# rerun, so the ~3.5 hours can be spread over several calls).
+# CPU-scale replicas of the paper's tables: 4 CPU processes a run on real offline data; DDP's probe
+# measures each table's step budget, every row gets an lr grid on seed 0, then 5 or 3 seeds at its
+# best rate; sdp.collect --claims over the chosen runs (outputs/cpu_replica; completed runs are
+# not rerun, so the work can be spread over several calls).
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
 

@@ -1,102 +1,267 @@
 """CPU-scale replicas of the paper's tables (`make tables`): real offline data, tiny models.
 
     python scripts/cpu_replica.py [--runs outputs/cpu_replica] [--out results/cpu_replica]
-                                  [--tables vision language] [--seeds 0 1 2] [OVERRIDES ...]
+                                  [--tables vision language] [--budgets-only]
+                                  [--grid 0.5 1 2] [--seed-counts 5 3] [OVERRIDES ...]
 
-Each table is a set of sweeps of 4 CPU processes (K = 4 workers) over the paper's rows,
-every row with every seed:
+Each table is 4 CPU processes (K = 4 workers) per run, over the paper's rows:
 
-- DDP;
+- DDP, and the same-size dense control: DDP at model.inner_width = C (the tensors of N-SDP
+  forward's subnetwork, docs/sdp.md "The dense control");
 - N-SDP and B-SDP, backward and forward masking, at C = 0.5, under both protocols:
   same_iteration (DDP's steps) and flop_matched (1/C times the steps, the paper's);
 - the dropout and stochastic-depth baselines at keep rate 0.5;
 - N-SDP and B-SDP forward at C = 0.25 and 0.75, where the model admits it (llama_tiny has
-  2 heads per layer: 4 workers cannot each hold a quarter of them under N-SDP).
+  2 KV groups per layer: 4 workers cannot each hold a quarter of them under N-SDP), with the
+  dense controls the model admits.
 
-The same data for every row. The issue asks for steps at which DDP's eval metric moves by
-less than 1% over the last 20% of its steps; the steps per table (160 and 200) are what fits
-the 3-hour budget of both tables on a 2-core machine, and there DDP still moves by 0.4 to 5.1%
-(vision) and 1.9% (language): each table's header states the check and its result. Seeds
-are the outer loop, so a partial call leaves whole seeds behind. The runs stay in --runs:
-a second call skips completed runs and resumes stopped ones, then rebuilds the tables and
-claims.md (`python -m sdp.collect --claims` reads the same run dirs).
+Every row is made the same way:
+
+1. Budget (once per table, when OUT/budgets.json has none; `--budgets-only` stops after it):
+   DDP on seed 0 at the default learning rate for the table's probe steps, evaluated 20 times;
+   twice the step at which its smoothed metric settles (`sdp.metrics.convergence.settled_step`)
+   is the table's step budget, written to OUT/budgets.json and into the table's header. A table
+   whose probe did not settle runs its default steps and says so.
+2. Learning rate: each row on seed 0 at its default learning rate times each grid factor; the
+   best final quality carries to its seeded runs (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
+3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the
+   grid's run at the chosen rate.
+4. The tables, their plots and claims.md, from the chosen runs only.
+
+The runs stay in --runs: a second call skips completed runs and resumes stopped ones, so the
+work can be spread over several calls; the grids come first, so a partial call leaves every
+row tuned before any is seeded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from sdp.analysis import lrgrid
 from sdp.analysis.tables import collect
 from sdp.launching.sweep import run_sweep
+from sdp.metrics.convergence import gate_metric, settled_step
+from sdp.run.config import typed_config
+from sdp.rundir import CONFIG, evaluations, read_summary
 
 NPROC = 4
 # The memory claims also read the estimator's table and the H200 measurements.
 MEMORY_TABLE = Path("results/tables/memory_estimates.csv")
 CUDA = Path("results/bench/cuda_memory_*.json")
-# table: (experiment, DDP's steps). Evaluation at 80% of the steps and at the end gives the
-# convergence check its two points.
+BUDGETS = "budgets.json"
+# table: (experiment, default steps, probe steps, dataset kind). The default steps run until a
+# budget is measured; the probe is DDP's long run that measures it.
 TABLES = {
     # Vision: ResNet on Fashion-MNIST (the paper's ResNet-18 / CIFAR rows).
-    "vision": ("demo_fmnist", 160),
+    "vision": ("demo_fmnist", 160, 3000, "image"),
     # Language: LLaMA on the Python standard library's sources (the paper's LLaMA / FineWeb rows).
-    "language": ("demo_text", 200),
+    "language": ("demo_text", 200, 2000, "text"),
 }
-SDP = "variant=n_sdp_backward,n_sdp_forward,b_sdp_backward,b_sdp_forward"
-SWEEPS = {
-    "ddp": [["variant=ddp"]],
-    "c0.5": [[f"{SDP},dropout,stochastic_depth", "masking.coverage=0.5"]],
-    "flop_matched": [[SDP, "masking.coverage=0.5", "trainer.protocol=flop_matched"]],
+EVALS = 5  # evaluations per run: the gate reads the last two fifths, the costs to target all five
+PROBE_EVALS = 20
+SDP = ("n_sdp_backward", "n_sdp_forward", "b_sdp_backward", "b_sdp_forward")
+COVERAGES = {  # the coverage rows beside C = 0.5, by table: (variant, C)
+    "vision": [(v, c) for v in ("n_sdp_forward", "b_sdp_forward") for c in (0.25, 0.75)],
+    "language": [("b_sdp_forward", 0.25), ("b_sdp_forward", 0.75), ("n_sdp_forward", 0.75)],
 }
-COVERAGE = {
-    "vision": [["variant=n_sdp_forward,b_sdp_forward", "masking.coverage=0.25,0.75"]],
-    "language": [
-        ["variant=b_sdp_forward", "masking.coverage=0.25,0.75"],
-        ["variant=n_sdp_forward", "masking.coverage=0.75"],
-    ],
-}
+DENSE = {"vision": (0.25, 0.5, 0.75), "language": (0.5,)}  # inner widths the tiny models admit
 
 
-def table_overrides(table: str) -> list[str]:
-    experiment, steps = TABLES[table]
+@dataclass(frozen=True)
+class Row:
+    """One row of a table: its name (a folder name) and overrides, and how many seeds it gets."""
+
+    name: str
+    overrides: tuple[str, ...]
+    full_seeds: bool  # DDP, a dense control or C = 0.5: the full seed count
+
+
+def rows(table: str) -> list[Row]:
+    out = [Row("ddp", ("variant=ddp",), True)]
+    out += [Row(f"dense-w{w:g}", ("variant=ddp", f"model.inner_width={w:g}"), True) for w in DENSE[table]]
+    for v in (*SDP, "dropout", "stochastic_depth"):
+        out.append(Row(f"{v}-c0.5", (f"variant={v}", "masking.coverage=0.5"), True))
+    for v in SDP:
+        matched = (f"variant={v}", "masking.coverage=0.5", "trainer.protocol=flop_matched")
+        out.append(Row(f"{v}-c0.5-flop_matched", matched, True))
+    out += [Row(f"{v}-c{c:g}", (f"variant={v}", f"masking.coverage={c:g}"), False) for v, c in COVERAGES[table]]
+    return out
+
+
+def table_overrides(table: str, steps: int | None = None, *, evals: int = EVALS, eval_every: int | None = None):
+    """The overrides every run of `table` shares, at `steps` (default: the table's default steps),
+    evaluated `evals` times (or every `eval_every` steps)."""
+    experiment, default, _, _ = TABLES[table]
+    steps = steps or default
     return [
         f"experiment={experiment}",
         f"trainer.max_steps={steps}",
-        f"trainer.eval_every={4 * steps // 5}",
+        f"trainer.eval_every={eval_every or max(1, steps // evals)}",
         "trainer.progress=false",
         "logger=none",
     ]
 
 
 def parse_args(argv: list[str], *, doc: str, name: str) -> tuple[argparse.Namespace, list[str]]:
-    """--runs outputs/NAME, --out results/NAME, --tables, --seeds (0 1 2); the rest are overrides."""
+    """--runs outputs/NAME, --out results/NAME, --tables, and --seeds (0 1 2) or cpu_replica's own
+    options; the rest are overrides (an unknown option is refused)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path(f"outputs/{name}"))
     parser.add_argument("--out", type=Path, default=Path(f"results/{name}"))
     parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    return parser.parse_known_args(argv)
+    if name != "cpu_replica":  # whose rows get their seed counts (--seed-counts)
+        parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    else:
+        parser.add_argument("--budgets-only", action="store_true", help="measure the missing budgets, then stop")
+        parser.add_argument("--grid", nargs="+", type=float, default=list(lrgrid.FACTORS), help="lr factors")
+        parser.add_argument("--seed-counts", nargs=2, type=int, default=[5, 3], metavar=("FULL", "REST"))
+    args, overrides = parser.parse_known_args(argv)
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:  # else it would reach Hydra as an override
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, overrides
+
+
+def sweep(overrides: list[str], where: Path, table: str) -> int:
+    return run_sweep([*overrides, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
+
+
+def run_dirs(where: Path) -> list[Path]:
+    """The run dirs a sweep made under `where`, in job order."""
+    return sorted(p for p in where.glob("*") if (p / CONFIG).is_file()) if where.is_dir() else []
+
+
+# ---------------------------------------------------------------- 1. the step budget
+
+
+def measure_budget(table: str, runs: Path, extra: list[str]) -> dict:
+    """DDP's probe on seed 0, and the budget it gives (`budget` None when it did not settle)."""
+    _, _, probe, kind = TABLES[table]
+    where = runs / table / "probe"
+    failed = sweep([*table_overrides(table, probe, evals=PROBE_EVALS), *extra, "variant=ddp", "seed=0"], where, table)
+    (run_dir,) = run_dirs(where) or [None]
+    summary = read_summary(run_dir) if run_dir else None
+    if failed or summary is None or summary.status != "completed":
+        return {"probe_steps": probe, "settled_step": None, "budget": None, "reason": "the probe did not complete"}
+    settled = settled_step(evaluations(run_dir, gate_metric(kind)), steps=probe)
+    return {
+        "probe_steps": probe,
+        "settled_step": settled,
+        "budget": None if settled is None else int(math.ceil(2 * settled / 10) * 10),
+        "final": getattr(summary, gate_metric(kind)),
+        "metric": gate_metric(kind),
+        "measured": time.strftime("%Y-%m-%d"),
+        "reason": "" if settled is not None else "the probe did not pass its own gate",
+    }
+
+
+def budgets(out: Path) -> dict:
+    path = out / BUDGETS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def budget_note(table: str, found: dict | None) -> str:
+    _, default, probe, _ = TABLES[table]
+    if not found or not found.get("budget"):
+        why = (found or {}).get("reason") or "no probe has run"
+        return f"Step budget: **not measured** ({why}); the runs take the default {default} steps."
+    return (
+        f"Step budget: {found['budget']} steps, twice the step ({found['settled_step']}) from which DDP's smoothed "
+        f"{found['metric'].replace('_', ' ')} stayed within 0.5% of its final {found['final']:.4f} in a probe of "
+        f"{found['probe_steps']} steps on seed 0 (measured {found['measured']}, OUT/{BUDGETS})."
+    )
+
+
+# ---------------------------------------------------------------- 2. the grid, 3. the seeds
+
+
+def default_lr(table: str, row: Row, extra: list[str]) -> float:
+    return typed_config([*table_overrides(table), *extra, *row.overrides]).optim.lr
+
+
+def grid(table: str, row: Row, base: list[str], factors: list[float], lr0: float, runs: Path) -> list:
+    """Run the row's grid on seed 0; its points, each read from its run dir."""
+    where = runs / table / "grid" / row.name
+    rates = ",".join(f"{lr0 * f:.6g}" for f in factors)
+    sweep([*base, *row.overrides, f"optim.lr={rates}", "seed=0"], where, table)
+    return grid_points(where, lr0, TABLES[table][3])
+
+
+def grid_points(where: Path, lr0: float, kind: str) -> list:
+    """The grid's points under `where` (a point's factor: its lr over the default `lr0`)."""
+    return [lrgrid.point(run_dir, default_lr=lr0, kind=kind) for run_dir in run_dirs(where)]
+
+
+def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], runs: Path) -> list[Path]:
+    """The row's seeded runs at the chosen lr (seed 0: the grid's run); every run dir of the row."""
+    n = counts[0] if row.full_seeds else counts[1]
+    where = runs / table / "seeds" / row.name
+    if n > 1:
+        seeds = ",".join(str(s) for s in range(1, n))
+        sweep([*base, *row.overrides, f"optim.lr={chosen.lr:.6g}", f"seed={seeds}"], where, table)
+    return [chosen.run_dir, *run_dirs(where)[: n - 1]]
 
 
 def main(argv: list[str]) -> int:
     args, extra = parse_args(argv, doc=__doc__, name="cpu_replica")
-    failed, start = 0, time.monotonic()
-    for seed in args.seeds:
-        for table in args.tables:
-            for name, sweeps in {**SWEEPS, "coverage": COVERAGE[table]}.items():
-                for i, sweep in enumerate(sweeps):
-                    where = args.runs / table / f"seed{seed}" / (name if i == 0 else f"{name}{i}")
-                    jobs = [*table_overrides(table), *extra, *sweep, f"seed={seed}"]
-                    rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
-                    failed += rc != 0
-            print(f"cpu_replica: seed {seed} of {table} done, {(time.monotonic() - start) / 60:.1f} min so far")
-    command = "python scripts/cpu_replica.py (make tables)"
+    start, found = time.monotonic(), budgets(args.out)
+    for table in [t for t in args.tables if t not in found]:
+        found[table] = measure_budget(table, args.runs, extra)
+        print(f"cpu_replica: {budget_note(table, found[table])}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / BUDGETS).write_text(json.dumps(found, indent=2) + "\n")
+    if args.budgets_only:
+        return 0
+    chosen, roots, notes, missing = {}, {}, {}, 0
+    for table in args.tables:
+        base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
+        grids = {}
+        for row in rows(table):
+            lr0 = default_lr(table, row, extra)
+            grids[row.name] = grid(table, row, base, args.grid, lr0, args.runs)
+            chosen[table, row] = lrgrid.choose(grids[row.name], TABLES[table][3])
+            missing += chosen[table, row] is None
+        path = args.out / f"{table}_lr_grid.md"
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(lrgrid.grid_markdown(table, grids, TABLES[table][3], command="python scripts/cpu_replica.py"))
+        notes[table] = [
+            budget_note(table, found.get(table)),
+            f"Learning rates: chosen on a grid, [{path.name}]({path.name}).",
+        ]
+        print(f"cpu_replica: {table}'s grids done, {(time.monotonic() - start) / 60:.1f} min so far")
+    for (table, row), best in chosen.items():
+        if best is not None:
+            base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
+            roots.setdefault(table, []).extend(seeded(table, row, base, best, args.seed_counts, args.runs))
+    print(f"cpu_replica: seeds done, {(time.monotonic() - start) / 60:.1f} min in all")
+    return finish(args, roots, notes, missing)
+
+
+def finish(args: argparse.Namespace, roots: dict, notes: dict, missing: int) -> int:
+    """The tables and claims.md from the chosen runs; 1 when a row had no run to choose."""
     memory = dict(memory_table=MEMORY_TABLE, cuda=tuple(sorted(CUDA.parent.glob(CUDA.name))))
-    for path in collect([args.runs / t for t in args.tables], args.out, command=command, claims=True, **memory):
+    command = "python scripts/cpu_replica.py (make tables)"
+    chosen_dirs = [d for dirs in roots.values() for d in dirs]
+    written = collect(chosen_dirs, args.out, command=command, claims=True, notes=_by_model(roots, notes), **memory)
+    for path in written:
         print(f"wrote {path}")
-    return 1 if failed else 0
+    return 1 if missing else 0
+
+
+def _by_model(roots: dict, notes: dict) -> dict:
+    """The notes keyed as collect names its tables (<model>_<dataset>, from a run of the table)."""
+    out = {}
+    for table, dirs in roots.items():
+        s = read_summary(dirs[0]) if dirs else None
+        if s is not None:
+            out[f"{s.model}_{s.dataset}"] = notes[table]
+    return out
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 
-from cpu_replica import NPROC, parse_args, table_overrides
+from cpu_replica import NPROC, TABLES, parse_args, table_overrides
 
 from sdp.analysis.lowcomm import write
 from sdp.launching.sweep import run_sweep
@@ -43,7 +43,8 @@ def main(argv: list[str]) -> int:
         for table in args.tables:
             for name, sweep in SWEEPS.items():
                 where = args.runs / table / f"seed{seed}" / name
-                jobs = [*table_overrides(table), *extra, *sweep, f"seed={seed}"]
+                steps = TABLES[table][1]  # the default steps, evaluated at 80% of them and at the end
+                jobs = [*table_overrides(table, eval_every=4 * steps // 5), *extra, *sweep, f"seed={seed}"]
                 rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
                 failed += rc != 0
             print(f"lowcomm: seed {seed} of {table} done, {(time.monotonic() - start) / 60:.1f} min so far")

@@ -143,7 +143,7 @@ def test_a_row_that_did_not_converge_gets_no_verdict_and_neither_does_a_comparis
     md = (collect([runs], runs.parent / "out", command="c", make_plots=False, claims=True)[-1]).read_text()
     assert f"**Verdict: {NOT_CONVERGED}.**" in md
     table = (runs.parent / "out" / "resnet_tiny_fashion_mnist.md").read_text()
-    assert "| DDP | 1 | same_iteration | 10 | 3 | **no** |" in table
+    assert "| DDP | 1 | same_iteration | 10 | 3 | 0.1 | **no** |" in table  # lr 0.1: the runs' optim.lr
 
 
 def test_n_sdp_is_compared_with_the_dense_model_of_its_subnetworks_size(runs):

@@ -3,7 +3,7 @@ the last 20% of the steps, against the threshold."""
 
 import pytest
 
-from sdp.metrics.convergence import plateau, smoothed
+from sdp.metrics.convergence import plateau, settled_step, smoothed
 
 
 def test_the_smoothed_value_averages_the_last_tenth_of_the_steps_up_to_a_step():
@@ -39,3 +39,17 @@ def test_a_run_without_the_evaluations_it_needs_is_undecided():
     late = plateau([(90, 1.0), (100, 1.0)], steps=100, metric="eval_loss")
     assert late["plateaued"] is None and late["reason"] == "no evaluation at or before step 80"
     assert plateau([], steps=100, metric="eval_loss")["plateaued"] is None
+
+
+def test_the_settled_step_is_where_the_smoothed_metric_last_entered_the_final_band():
+    # Rising to 0.9 at step 100, flat after; S averages the evaluations in (m - 20, m].
+    evals = [(s, 0.9 * min(s, 100) / 100) for s in range(10, 201, 10)]
+    # S(100) = (0.81 + 0.9) / 2 is 5% off the final 0.9; S(110) = 0.9 is on it.
+    assert settled_step(evals, steps=200) == 110
+    # A later excursion of 1% (steps 130 and 140, before the gate's last fifth) moves the settled
+    # step past it: S(150) = (0.891 + 0.9) / 2 is still 0.5% off, S(160) is on.
+    bumped = [(s, v * 0.99 if s in (130, 140) else v) for s, v in evals]
+    assert settled_step(bumped, steps=200) == 160
+    # A run still moving at its end settled nowhere it can show.
+    rising = [(s, 0.9 * s / 200) for s in range(10, 201, 10)]
+    assert settled_step(rising, steps=200) is None

@@ -47,3 +47,19 @@ def plateau(evals: list[tuple[int, float]], *, steps: int, metric: str, threshol
         return {**out, "change": None, "plateaued": None, "reason": f"no evaluation at or before step {start}"}
     change = abs(after - before) / abs(after) if after else float("inf")
     return {**out, "change": change, "plateaued": change < threshold, "reason": ""}
+
+
+def settled_step(evals: list[tuple[int, float]], *, steps: int, threshold: float = THRESHOLD) -> int | None:
+    """The step at which a run's metric stops improving: the earliest evaluated step m from which
+    every later smoothed value S(m') lies within `threshold` (relative) of the final S(steps).
+    None when the run itself did not pass its gate (a run still moving at its end settled
+    nowhere it can show). A table's step budget is at least twice a long DDP run's."""
+    if plateau(evals, steps=steps, metric="", threshold=threshold)["plateaued"] is not True:
+        return None
+    final = smoothed(evals, steps, steps=steps)
+    settled = steps
+    for step, _ in reversed(evals):
+        if abs(smoothed(evals, step, steps=steps) - final) >= threshold * abs(final):
+            break
+        settled = step
+    return settled

@@ -1,0 +1,171 @@
+"""`make tables`' path (scripts/cpu_replica.py) with the sweeps played by a fake that writes run
+dirs as a run does (its real config.yaml, a summary.json and metrics.jsonl): the probe's budget,
+each row's learning-rate grid and choice, the seeds each row gets at its chosen rate, and the
+tables and claims built from the chosen runs only. A real run of every row is `make tables`."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdp.launching.sweep import expand, job_dir
+from sdp.run.config import record_yaml, typed_config
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+def _script():
+    sys.path.insert(0, str(SCRIPTS))  # lowcomm.py and rho_convergence.py import it by name
+    try:
+        spec = importlib.util.spec_from_file_location("cpu_replica_under_test", SCRIPTS / "cpu_replica.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclass looks its module up
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+# The best lr factor of each row in the fake, and its accuracy there.
+BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (2.0, 0.88)}
+DEFAULT_LR = 2e-3  # demo_fmnist's
+
+
+def _accuracy(cfg) -> float:
+    factor, top = BEST[cfg.masking.name, cfg.model.inner_width]
+    return top - 0.02 * math.log2(cfg.optim.lr / (DEFAULT_LR * factor)) ** 2 + 0.002 * (cfg.seed % 3)
+
+
+def _fake_run(run_dir: Path, job: list[str]) -> None:
+    cfg = typed_config(job)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(record_yaml(cfg))
+    steps, every, acc = cfg.trainer.max_steps, cfg.trainer.eval_every, _accuracy(cfg)
+    # Rising to its final accuracy at 40% of the steps, flat after.
+    evals = [(s, acc * min(1.0, s / (0.4 * steps))) for s in range(every, steps + 1, every)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval_acc": v}) + "\n" for s, v in evals))
+    gate = {"metric": "eval_acc", "from_step": int(0.8 * steps), "to_step": steps, "threshold": 0.005}
+    summary = {
+        "status": "completed",
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "world_size": 4,
+        "coverage": cfg.masking.coverage,
+        "masking": cfg.masking.name,
+        "parallelism": "ddp",
+        "activation_checkpointing": "none",
+        "mixed_precision": "fp32",
+        "protocol": str(cfg.trainer.protocol),
+        "device": "cpu",
+        "seed": cfg.seed,
+        "inner_width": cfg.model.inner_width,
+        "granularity": cfg.masking.granularity,  # Strategy.describe()'s, beside the fields
+        "steps": steps,
+        "eval_acc": acc,
+        "eval_loss": 1 - acc,
+        "throughput_unit": "samples/s",
+        "memory": {"params_bytes": 2**28, "grads_bytes": 2**28, "optim_bytes": 2**29, "peak_bytes": 2**30},
+        "comm_bytes_per_step": 2**20,
+        "convergence": {**gate, "change": 0.0, "plateaued": True, "reason": ""},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """One call of the script over three rows of the vision table, 3 seeds for the full rows and
+    2 for the rest; returns (its exit code, the runs dir, the out dir, the jobs each sweep got)."""
+    module, root = _script(), tmp_path_factory.mktemp("replica")
+    sweeps = []
+
+    def fake_sweep(argv: list[str]) -> int:
+        options = dict(a.split("=", 1) for a in argv if a.startswith("sweep."))
+        overrides = [a for a in argv if not a.startswith("sweep.")]
+        jobs = expand(overrides)
+        swept = {o.split("=", 1)[0] for o in overrides if "," in o}
+        sweeps.append((options["sweep.dir"], jobs))
+        for i, job in enumerate(jobs):
+            _fake_run(job_dir(Path(options["sweep.dir"]), i, job, swept), job)
+        return 0
+
+    rows = module.rows("vision")
+    module.rows = lambda table: [r for r in rows if r.name in ("ddp", "dense-w0.5", "n_sdp_forward-c0.25")]
+    module.run_sweep = fake_sweep
+    module.MEMORY_TABLE = SCRIPTS.parent / module.MEMORY_TABLE  # the committed one
+    module.CUDA = root / "none" / "*.json"
+    runs, out = root / "runs", root / "out"
+    args = ["--tables", "vision", "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2"]
+    return module.main(args), runs, out, sweeps
+
+
+def test_the_probe_measures_the_budget_and_the_header_states_it(replica):
+    rc, runs, out, sweeps = replica
+    assert rc == 0
+    # The probe: DDP, 3000 steps, 20 evaluations, flat from step 1200; smoothed over (m - 300, m],
+    # it is on its final value from step 1350, so the budget is 2700.
+    probe_dir, (probe,) = sweeps[0]
+    assert probe_dir.endswith("vision/probe") and "trainer.max_steps=3000" in probe
+    assert "trainer.eval_every=150" in probe and "variant=ddp" in probe
+    budget = json.loads((out / "budgets.json").read_text())["vision"]
+    assert (budget["settled_step"], budget["budget"]) == (1350, 2700)
+    table = (out / "resnet_tiny_fashion_mnist.md").read_text()
+    assert "Step budget: 2700 steps, twice the step (1350)" in table
+    # Every later run takes the budget, evaluated 5 times.
+    assert all(
+        "trainer.max_steps=2700" in job and "trainer.eval_every=540" in job for _, jobs in sweeps[1:] for job in jobs
+    )
+
+
+def test_every_row_runs_its_grid_on_seed_0_and_its_seeds_at_the_best_rate(replica):
+    _, runs, out, sweeps = replica
+    grids = {Path(d).name: jobs for d, jobs in sweeps if "/grid/" in d}
+    assert sorted(grids) == ["ddp", "dense-w0.5", "n_sdp_forward-c0.25"]
+    for jobs in grids.values():
+        assert [j for j in jobs[0] if j.startswith("optim.lr=")] == ["optim.lr=0.001"]
+        assert sorted(next(o for o in j if o.startswith("optim.lr=")) for j in jobs) == [
+            "optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004"]  # fmt: skip
+        assert all("seed=0" in j for j in jobs)
+    seeds = {Path(d).name: jobs for d, jobs in sweeps if "/seeds/" in d}
+    # DDP and the dense control: 3 seeds (seed 0 is the grid's run); C = 0.25: 2.
+    lr_of = {name: {o for j in jobs for o in j if o.startswith(("optim.lr=", "seed="))} for name, jobs in seeds.items()}
+    assert lr_of == {
+        "ddp": {"optim.lr=0.002", "seed=1", "seed=2"},
+        "dense-w0.5": {"optim.lr=0.001", "seed=1", "seed=2"},
+        "n_sdp_forward-c0.25": {"optim.lr=0.004", "seed=1"},
+    }
+    grid_md = (out / "vision_lr_grid.md").read_text()
+    assert "| ddp | 0.8800 | 0.9000 | 0.8800 | 0.002 (x1) | no |" in grid_md
+    assert "| n_sdp_forward-c0.25 | 0.8000 | 0.8600 | 0.8800 | 0.004 (x2) | yes |" in grid_md
+
+
+def test_the_tables_hold_the_chosen_runs_only(replica):
+    _, _, out, _ = replica
+    csv = (out / "resnet_tiny_fashion_mnist.csv").read_text().splitlines()
+    head = csv[0].split(",")
+    rows = {r.split(",")[0]: dict(zip(head, r.split(","), strict=True)) for r in csv[1:]}
+    assert sorted(rows) == ["DDP", "DDP (inner width 0.5)", "N-SDP forward"]
+    assert [(rows[v]["runs"], rows[v]["lr"]) for v in sorted(rows)] == [("3", "0.002"), ("3", "0.001"), ("2", "0.004")]
+    # The grid's other points are not in the table: DDP's mean is over its chosen-rate seeds.
+    assert float(rows["DDP"]["eval_acc"]) == pytest.approx(0.90 + 0.002)
+    assert (
+        "Learning rates: chosen on a grid, [vision_lr_grid.md](vision_lr_grid.md)."
+        in (out / "resnet_tiny_fashion_mnist.md").read_text()
+    )
+    assert (out / "claims.md").is_file()
+
+
+def test_the_grid_chooses_the_lowest_loss_a_tie_goes_to_x1_and_a_failed_run_never_wins():
+    from sdp.analysis.lrgrid import GridPoint, choose, on_edge
+
+    def p(factor, quality, status="completed"):
+        return GridPoint(factor, 1e-3 * factor, Path("r"), status, quality, True)
+
+    tie = [p(0.5, 4.2), p(1.0, 4.2), p(2.0, 4.5)]
+    assert choose(tie, "text").factor == 1.0 and not on_edge(tie, choose(tie, "text"))
+    failed = [p(0.5, 4.4), p(1.0, 4.3), p(2.0, None, "failed")]
+    assert choose(failed, "text").factor == 1.0
+    assert choose([p(2.0, None, "failed")], "text") is None
+    assert choose([p(0.5, 0.9), p(1.0, 0.8)], "image").factor == 0.5
