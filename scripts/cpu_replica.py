@@ -26,7 +26,8 @@ Every row is made the same way:
    best final quality carries to its seeded runs (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
 3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the
    grid's run at the chosen rate.
-4. The tables, their plots and claims.md, from the chosen runs only.
+4. The tables, their plots and claims.md, from the chosen runs only; the language table's header
+   sets DDP's loss against unigram and bigram models of the same token streams.
 
 The runs stay in --runs: a second call skips completed runs and resumes stopped ones, so the
 work can be spread over several calls; the grids come first, so a partial call leaves every
@@ -43,8 +44,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from sdp.analysis import lrgrid
+from sdp.analysis.reference import ngram_losses, reference_words
 from sdp.analysis.tables import collect
+from sdp.data.api import prepare_data
+from sdp.data.local_text import cache_dir_for, list_files
 from sdp.launching.sweep import run_sweep
 from sdp.metrics.convergence import gate_metric, settled_step
 from sdp.run.config import typed_config
@@ -208,6 +214,18 @@ def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], run
     return [chosen.run_dir, *run_dirs(where)[: n - 1]]
 
 
+def text_reference(table: str, extra: list[str], ddp_dirs: list[Path]) -> str:
+    """The language table's line on its losses: unigram and bigram models of its token streams
+    (`sdp.analysis.reference`) against DDP's mean eval loss."""
+    cfg = typed_config([*table_overrides(table), *extra]).dataset
+    prepare_data(cfg)  # the runs made the cache; this only finds it
+    directory = cache_dir_for(cfg, list_files(cfg))
+    train, evaluation = (np.load(directory / f"{split}.npy", mmap_mode="r") for split in ("train", "eval"))
+    losses = [s.eval_loss for s in map(read_summary, ddp_dirs) if s is not None and s.eval_loss is not None]
+    ddp = sum(losses) / len(losses) if losses else None
+    return reference_words(ngram_losses(train, evaluation, cfg.vocab_size), ddp)
+
+
 def main(argv: list[str]) -> int:
     args, extra = parse_args(argv, doc=__doc__, name="cpu_replica")
     start, found = time.monotonic(), budgets(args.out)
@@ -238,7 +256,10 @@ def main(argv: list[str]) -> int:
     for (table, row), best in chosen.items():
         if best is not None:
             base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
-            roots.setdefault(table, []).extend(seeded(table, row, base, best, args.seed_counts, args.runs))
+            dirs = seeded(table, row, base, best, args.seed_counts, args.runs)
+            roots.setdefault(table, []).extend(dirs)
+            if row.name == "ddp" and TABLES[table][3] == "text":
+                notes[table].append(text_reference(table, extra, dirs))
     print(f"cpu_replica: seeds done, {(time.monotonic() - start) / 60:.1f} min in all")
     return finish(args, roots, notes, missing)
 

@@ -53,3 +53,22 @@ def test_the_settled_step_is_where_the_smoothed_metric_last_entered_the_final_ba
     # A run still moving at its end settled nowhere it can show.
     rising = [(s, 0.9 * s / 200) for s in range(10, 201, 10)]
     assert settled_step(rising, steps=200) is None
+
+
+def test_the_n_gram_references_are_exact_on_a_tiny_stream():
+    import math
+
+    import numpy as np
+
+    from sdp.analysis.reference import ngram_losses, reference_words
+
+    train, evaluation = np.array([0, 1, 0, 2, 0, 1]), np.array([0, 1, 2])
+    got = ngram_losses(train, evaluation, vocab=3)
+    # Unigram, add-one: counts 3, 2, 1 over 6 tokens -> 4/9, 3/9, 2/9.
+    assert got["unigram"] == pytest.approx(-(math.log(4 / 9) + math.log(3 / 9) + math.log(2 / 9)) / 3, rel=1e-12)
+    # Bigram, d = 0.75: 0 is followed 3 times by 2 distinct tokens, 1 once by 1:
+    # P(1|0) = (2 - 0.75) / 3 + 0.75 * 2 / 3 * 3/9; P(2|1) = 0 + 0.75 * 1 / 1 * 2/9.
+    p01, p12 = 1.25 / 3 + 0.5 * 3 / 9, 0.75 * 2 / 9
+    assert got["bigram"] == pytest.approx(-(math.log(p01) + math.log(p12)) / 2, rel=1e-12)
+    words = reference_words({"unigram": 5.0, "bigram": 4.0}, 3.5)
+    assert words.endswith("DDP's eval loss 3.500 is 0.500 nats below the bigram's (perplexity 33.1 against 54.6).")

@@ -31,12 +31,12 @@ def _script():
 
 # The best lr factor of each row in the fake, and its accuracy there.
 BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (2.0, 0.88)}
-DEFAULT_LR = 2e-3  # demo_fmnist's
+DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # demo_fmnist's, demo_text's
 
 
 def _accuracy(cfg) -> float:
     factor, top = BEST[cfg.masking.name, cfg.model.inner_width]
-    return top - 0.02 * math.log2(cfg.optim.lr / (DEFAULT_LR * factor)) ** 2 + 0.002 * (cfg.seed % 3)
+    return top - 0.02 * math.log2(cfg.optim.lr / (DEFAULT_LR[cfg.model.family] * factor)) ** 2 + 0.002 * (cfg.seed % 3)
 
 
 def _fake_run(run_dir: Path, job: list[str]) -> None:
@@ -44,6 +44,7 @@ def _fake_run(run_dir: Path, job: list[str]) -> None:
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(record_yaml(cfg))
     steps, every, acc = cfg.trainer.max_steps, cfg.trainer.eval_every, _accuracy(cfg)
+    text = cfg.model.family == "llama"
     # Rising to its final accuracy at 40% of the steps, flat after.
     evals = [(s, acc * min(1.0, s / (0.4 * steps))) for s in range(every, steps + 1, every)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval_acc": v}) + "\n" for s, v in evals))
@@ -64,9 +65,10 @@ def _fake_run(run_dir: Path, job: list[str]) -> None:
         "inner_width": cfg.model.inner_width,
         "granularity": cfg.masking.granularity,  # Strategy.describe()'s, beside the fields
         "steps": steps,
-        "eval_acc": acc,
+        "eval_acc": None if text else acc,
         "eval_loss": 1 - acc,
-        "throughput_unit": "samples/s",
+        "throughput_unit": "tokens/s" if text else "samples/s",
+        "eval_token_acc": acc if text else None,
         "memory": {"params_bytes": 2**28, "grads_bytes": 2**28, "optim_bytes": 2**29, "peak_bytes": 2**30},
         "comm_bytes_per_step": 2**20,
         "convergence": {**gate, "change": 0.0, "plateaued": True, "reason": ""},
@@ -74,12 +76,10 @@ def _fake_run(run_dir: Path, job: list[str]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    """One call of the script over three rows of the vision table, 3 seeds for the full rows and
-    2 for the rest; returns (its exit code, the runs dir, the out dir, the jobs each sweep got)."""
-    module, root = _script(), tmp_path_factory.mktemp("replica")
-    sweeps = []
+def _play(root: Path, table: str, names: tuple[str, ...], extra: list[str]):
+    """One call of the script over the named rows of `table`, 3 seeds for the full rows and 2 for
+    the rest, its sweeps played by the fake; returns (exit code, runs dir, out dir, sweeps)."""
+    module, sweeps = _script(), []
 
     def fake_sweep(argv: list[str]) -> int:
         options = dict(a.split("=", 1) for a in argv if a.startswith("sweep."))
@@ -91,14 +91,21 @@ def replica(tmp_path_factory):
             _fake_run(job_dir(Path(options["sweep.dir"]), i, job, swept), job)
         return 0
 
-    rows = module.rows("vision")
-    module.rows = lambda table: [r for r in rows if r.name in ("ddp", "dense-w0.5", "n_sdp_forward-c0.25")]
+    rows = module.rows(table)
+    module.rows = lambda _: [r for r in rows if r.name in names]
     module.run_sweep = fake_sweep
     module.MEMORY_TABLE = SCRIPTS.parent / module.MEMORY_TABLE  # the committed one
     module.CUDA = root / "none" / "*.json"
     runs, out = root / "runs", root / "out"
-    args = ["--tables", "vision", "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2"]
+    args = ["--tables", table, "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2", *extra]
     return module.main(args), runs, out, sweeps
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """The vision table: DDP, the dense control at 0.5 and N-SDP forward at C = 0.25."""
+    names = ("ddp", "dense-w0.5", "n_sdp_forward-c0.25")
+    return _play(tmp_path_factory.mktemp("replica"), "vision", names, [])
 
 
 def test_the_probe_measures_the_budget_and_the_header_states_it(replica):
@@ -169,3 +176,23 @@ def test_the_grid_chooses_the_lowest_loss_a_tie_goes_to_x1_and_a_failed_run_neve
     assert choose(failed, "text").factor == 1.0
     assert choose([p(2.0, None, "failed")], "text") is None
     assert choose([p(0.5, 0.9), p(1.0, 0.8)], "image").factor == 0.5
+
+
+def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasured_budget(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n\n" for j in range(30)))
+    extra = [f"dataset.path={corpus}", "dataset.eval_every=2", "dataset.vocab_size=300", "dataset.seq_len=32"]
+    rc, _, out, sweeps = _play(tmp_path, "language", ("ddp",), extra)
+    assert rc == 0
+    # The fake's probe logs no eval loss: no budget, and the runs take the default 200 steps.
+    assert json.loads((out / "budgets.json").read_text())["language"]["budget"] is None
+    assert all("trainer.max_steps=200" in job for _, jobs in sweeps[1:] for job in jobs)
+    header = (out / "llama_tiny_local_text.md").read_text()
+    assert (
+        "Step budget: **not measured** (the probe did not pass its own gate); the runs take the default 200" in header
+    )
+    # DDP's loss over its 3 seeds: 1 - (0.90, 0.902, 0.904) -> 0.098.
+    line = next(line for line in header.splitlines() if line.startswith("Reference losses on the eval split"))
+    assert "nats/token. DDP's eval loss 0.098 is" in line and "nats below the bigram's" in line
