@@ -1,7 +1,7 @@
 """CPU-scale replicas of the paper's tables (`make tables`): real offline data, tiny models.
 
     python scripts/cpu_replica.py [--runs outputs/cpu_replica] [--out results/cpu_replica]
-                                  [--tables vision language] [--budgets-only]
+                                  [--tables vision language] [--budgets-only] [--plan]
                                   [--grid 0.5 1 2] [--seed-counts 5 3] [OVERRIDES ...]
 
 Each table is 4 CPU processes (K = 4 workers) per run, over the paper's rows:
@@ -31,7 +31,8 @@ Every row is made the same way:
 
 The runs stay in --runs: a second call skips completed runs and resumes stopped ones, so the
 work can be spread over several calls; the grids come first, so a partial call leaves every
-row tuned before any is seeded.
+row tuned before any is seeded. `--plan` prints each table's runs and their projected time at
+its probe's DDP step time, and runs nothing.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def parse_args(argv: list[str], *, doc: str, name: str) -> tuple[argparse.Namesp
         parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     else:
         parser.add_argument("--budgets-only", action="store_true", help="measure the missing budgets, then stop")
+        parser.add_argument("--plan", action="store_true", help="print the runs and their projected time, run nothing")
         parser.add_argument("--grid", nargs="+", type=float, default=list(lrgrid.FACTORS), help="lr factors")
         parser.add_argument("--seed-counts", nargs=2, type=int, default=[5, 3], metavar=("FULL", "REST"))
     args, overrides = parser.parse_known_args(argv)
@@ -161,6 +163,7 @@ def measure_budget(table: str, runs: Path, extra: list[str]) -> dict:
         "settled_step": settled,
         "budget": None if settled is None else int(math.ceil(2 * settled / 10) * 10),
         "final": getattr(summary, gate_metric(kind)),
+        "step_time_s": summary.step_time_s,
         "metric": gate_metric(kind),
         "measured": time.strftime("%Y-%m-%d"),
         "reason": "" if settled is not None else "the probe did not pass its own gate",
@@ -182,6 +185,19 @@ def budget_note(table: str, found: dict | None) -> str:
         f"{found['metric'].replace('_', ' ')} stayed within 0.5% of its final {found['final']:.4f} in a probe of "
         f"{found['probe_steps']} steps on seed 0 (measured {found['measured']}, OUT/{BUDGETS})."
     )
+
+
+def plan_line(table: str, found: dict | None, args: argparse.Namespace) -> str:
+    """The table's runs and their projected time, at its probe's DDP step time (SDP rows differ)."""
+    steps = (found or {}).get("budget") or TABLES[table][1]
+    runs = steps_run = 0
+    for row in rows(table):
+        n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
+        runs += n
+        steps_run += n * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
+    step_s = (found or {}).get("step_time_s")
+    hours = f"{steps_run * step_s / 3600:.1f} h at DDP's {step_s:.3f} s a step" if step_s else "no step time yet"
+    return f"cpu_replica: {table}: {len(rows(table))} rows, {runs} runs of {steps} steps, {steps_run} steps: {hours}"
 
 
 # ---------------------------------------------------------------- 2. the grid, 3. the seeds
@@ -229,12 +245,14 @@ def text_reference(table: str, extra: list[str], ddp_dirs: list[Path]) -> str:
 def main(argv: list[str]) -> int:
     args, extra = parse_args(argv, doc=__doc__, name="cpu_replica")
     start, found = time.monotonic(), budgets(args.out)
-    for table in [t for t in args.tables if t not in found]:
+    for table in [t for t in args.tables if t not in found and not args.plan]:
         found[table] = measure_budget(table, args.runs, extra)
         print(f"cpu_replica: {budget_note(table, found[table])}")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / BUDGETS).write_text(json.dumps(found, indent=2) + "\n")
-    if args.budgets_only:
+    if args.budgets_only or args.plan:
+        for table in args.tables if args.plan else ():
+            print(plan_line(table, found.get(table), args))
         return 0
     chosen, roots, notes, missing = {}, {}, {}, 0
     for table in args.tables:

@@ -71,6 +71,7 @@ def _fake_run(run_dir: Path, job: list[str]) -> None:
         "eval_token_acc": acc if text else None,
         "memory": {"params_bytes": 2**28, "grads_bytes": 2**28, "optim_bytes": 2**29, "peak_bytes": 2**30},
         "comm_bytes_per_step": 2**20,
+        "step_time_s": 0.5,
         "convergence": {**gate, "change": 0.0, "plateaued": True, "reason": ""},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -196,3 +197,17 @@ def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasu
     # DDP's loss over its 3 seeds: 1 - (0.90, 0.902, 0.904) -> 0.098.
     line = next(line for line in header.splitlines() if line.startswith("Reference losses on the eval split"))
     assert "nats/token. DDP's eval loss 0.098 is" in line and "nats below the bigram's" in line
+
+
+def test_the_plan_projects_the_runs_from_the_probes_step_time_and_runs_nothing(replica, capsys):
+    _, runs, out, _ = replica
+    module = _script()
+    rows = module.rows("vision")
+    module.rows = lambda _: [r for r in rows if r.name in ("ddp", "dense-w0.5", "n_sdp_forward-c0.25")]
+    module.run_sweep = lambda argv: pytest.fail(f"--plan ran a sweep: {argv}")
+    args = ["--plan", "--tables", "vision", "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2"]
+    assert module.main(args) == 0
+    # 3 grid points + 2 more seeds for DDP and the control, + 1 for C = 0.25: 14 runs of 2700 steps.
+    assert capsys.readouterr().out == (
+        "cpu_replica: vision: 3 rows, 14 runs of 2700 steps, 37800 steps: 5.2 h at DDP's 0.500 s a step\n"
+    )
