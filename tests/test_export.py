@@ -115,13 +115,20 @@ def test_without_a_tokenizer_the_model_names_no_special_ids(tmp_path, capsys):
     assert [key for key in SPECIAL_IDS if key in generation] == []
 
 
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", [*WIDTHS, "model.base_width=16"])
 def test_a_resnet_builds_from_torchvision_with_its_builder_json(tmp_path, width):
     run_dir, model = fake_run(tmp_path, ["model=resnet_tiny", "dataset=synthetic_image", width])
     assert export.main([str(run_dir)]) == 0
     spec = json.loads((run_dir / "hf" / "builder.json").read_text())
     assert spec["library"] == "torchvision" and spec["class"] == "torchvision.models.resnet.ResNet"
     rebuilt = resnet.ResNet(resnet.BasicBlock, spec["layers"], num_classes=spec["num_classes"])
+    base = spec["base_width"]
+    if base != 64:  # builder.json's recipe for other stage widths
+        rebuilt.inplanes, rebuilt.bn1 = base, nn.BatchNorm2d(base)
+        for i, blocks in enumerate(spec["layers"]):
+            stage = rebuilt._make_layer(resnet.BasicBlock, base * 2**i, blocks, stride=1 if i == 0 else 2)
+            setattr(rebuilt, f"layer{i + 1}", stage)
+        rebuilt.fc = nn.Linear(8 * base, spec["num_classes"])
     rebuilt.conv1 = nn.Conv2d(**spec["conv1"])
     if spec["maxpool"] == "identity":
         rebuilt.maxpool = nn.Identity()

@@ -123,6 +123,21 @@ def test_folded_eval_scaling_equals_scaling_the_site_outputs(family, capacity, s
 DENSE_CONTROLS = [("llama", 2, 0.5), ("resnet", 4, 0.5), ("resnet", 4, 0.75), ("swin", 2, 0.5)]
 
 
+def _narrow_resnet(base_width: int):
+    """resnet_tiny with stages of base_width x (1, 2, 4, 8) channels."""
+    cfg = tiny_model_cfg("resnet")
+    cfg.base_width = base_width
+    return cfg
+
+
+def test_a_resnets_base_width_sets_every_stage_and_the_stem():
+    model = build_model(_narrow_resnet(16))
+    assert model.conv1.out_channels == model.bn1.num_features == 16
+    stages = [model.layer1, model.layer2, model.layer3, model.layer4]
+    assert [s[0].conv2.out_channels for s in stages] == [16, 32, 64, 128] and model.fc.in_features == 128
+    assert model(torch.randn(2, 3, 28, 28)).shape == (2, 10)
+
+
 @pytest.mark.parametrize("family, workers, coverage", DENSE_CONTROLS)
 def test_the_dense_control_is_the_forward_masked_subnetwork(family, workers, coverage):
     """model.inner_width=C builds, for every worker, a model with the tensors of N-SDP forward's

@@ -57,8 +57,11 @@ class ResNetConfig:
     stem_kernel: int = 3
     stem_stride: int = 1
     stem_pool: bool = False
+    # The first stage's width: the stages are base_width x (1, 2, 4, 8) channels (torchvision's
+    # 64, 128, 256, 512 at 64), the stem's output the first stage's.
+    base_width: int = 64
     # Scales the widths neuron SDP slices (see `INNER_WIDTH`): every BasicBlock's inner channels
-    # (conv1's outputs, conv2's inputs); the stages' widths (64, 128, 256, 512) are kept.
+    # (conv1's outputs, conv2's inputs); the stages' widths are kept.
     inner_width: float = 1.0
 
 
@@ -114,6 +117,9 @@ LLAMA_SIZES = (
 MAX_BLOCKS = 4096
 
 
+MAX_BASE_WIDTH = 4096  # a ResNet's first stage: wider is a typo (64 is torchvision's)
+
+
 def _block_count(cfg: ModelConfig) -> tuple[str, object, int] | None:
     """(key, value, blocks) of the setting that decides how many blocks the model has."""
     if isinstance(cfg, LlamaConfig):
@@ -158,12 +164,14 @@ def llama_widths(cfg: LlamaConfig) -> dict:
     }
 
 
-RESNET_STAGE_WIDTHS = (64, 128, 256, 512)  # torchvision's BasicBlock stages
+def resnet_stage_widths(cfg: ResNetConfig) -> list[int]:
+    """The four stages' widths, model.base_width x (1, 2, 4, 8)."""
+    return [cfg.base_width * 2**i for i in range(4)]
 
 
 def resnet_inner_channels(cfg: ResNetConfig) -> list[int]:
     """Each stage's BasicBlock inner channels, model.inner_width applied."""
-    return [scaled(c, cfg, f"inner channels (a BasicBlock of {c})") for c in RESNET_STAGE_WIDTHS]
+    return [scaled(c, cfg, f"inner channels (a BasicBlock of {c})") for c in resnet_stage_widths(cfg)]
 
 
 def swin_widths(cfg: SwinConfig) -> dict:
@@ -219,6 +227,10 @@ def validate_model(cfg: ModelConfig) -> None:
     elif isinstance(cfg, ResNetConfig):
         if len(cfg.layers) != 4 or min(cfg.layers) < 1:
             raise ConfigError("model.layers", cfg.layers, "four stages of >= 1 BasicBlock each, e.g. [2, 2, 2, 2]")
+        if not 1 <= cfg.base_width <= MAX_BASE_WIDTH:
+            raise ConfigError(
+                "model.base_width", cfg.base_width, f"must be in [1, {MAX_BASE_WIDTH}] (torchvision's: 64)"
+            )
     elif isinstance(cfg, SwinConfig):
         if len(cfg.depths) != len(cfg.num_heads):
             raise ConfigError("model.num_heads", cfg.num_heads, f"one entry per stage of model.depths={cfg.depths}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from sdp.models import ResNetConfig, resnet_inner_channels
+from sdp.models import ResNetConfig, resnet_inner_channels, resnet_stage_widths
 
 
 def resnet_builder(cfg: ResNetConfig) -> dict:
@@ -18,9 +18,13 @@ def resnet_builder(cfg: ResNetConfig) -> dict:
         "block": "torchvision.models.resnet.BasicBlock",
         "layers": list(cfg.layers),
         "num_classes": cfg.num_classes,
+        # Where it is not 64: model.inplanes = base_width, bn1 = BatchNorm2d(base_width), layer1..4 =
+        # model._make_layer(BasicBlock, width, blocks, stride) for the stage widths base_width x
+        # (1, 2, 4, 8) and strides 1, 2, 2, 2, and fc = Linear(8 * base_width, num_classes).
+        "base_width": cfg.base_width,
         "conv1": {
             "in_channels": 3,
-            "out_channels": 64,
+            "out_channels": cfg.base_width,
             "kernel_size": cfg.stem_kernel,
             "stride": cfg.stem_stride,
             "padding": cfg.stem_kernel // 2,
@@ -36,9 +40,11 @@ def resnet_builder(cfg: ResNetConfig) -> dict:
 
 def build_resnet(cfg: ResNetConfig) -> ResNet:
     model = ResNet(BasicBlock, list(cfg.layers), num_classes=cfg.num_classes)
+    if cfg.base_width != 64:
+        rebuild_stages(model, cfg)
     # torchvision's stem is the ImageNet one (7x7/2 + max-pool), which shrinks a
     # 32x32 image to 8x8 before the first block; swap in the configured stem.
-    inplanes = model.conv1.out_channels
+    inplanes = cfg.base_width  # the stem feeds the first stage
     model.conv1 = nn.Conv2d(3, inplanes, cfg.stem_kernel, cfg.stem_stride, cfg.stem_kernel // 2, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     if not cfg.stem_pool:
@@ -46,6 +52,23 @@ def build_resnet(cfg: ResNetConfig) -> ResNet:
     if cfg.inner_width != 1:
         narrow_blocks(model, resnet_inner_channels(cfg))
     return model
+
+
+def rebuild_stages(model: ResNet, cfg: ResNetConfig) -> None:
+    """Stages of model.base_width x (1, 2, 4, 8) channels, made by torchvision's own `_make_layer`
+    and initialised as torchvision initialises a ResNet (the stem's conv1 is replaced after)."""
+    model.inplanes = cfg.base_width
+    model.bn1 = nn.BatchNorm2d(cfg.base_width)
+    widths = resnet_stage_widths(cfg)
+    for i, (width, blocks) in enumerate(zip(widths, cfg.layers, strict=True)):
+        setattr(model, f"layer{i + 1}", model._make_layer(BasicBlock, width, blocks, stride=1 if i == 0 else 2))
+    model.fc = nn.Linear(widths[-1], cfg.num_classes)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
 
 
 def narrow_blocks(model: ResNet, inner: list[int]) -> None:
