@@ -11,6 +11,8 @@ Each table is 4 CPU processes (K = 4 workers) per run, over the paper's rows:
 - N-SDP and B-SDP, backward and forward masking, at C = 0.5, under both protocols:
   same_iteration (DDP's steps) and flop_matched (1/C times the steps, the paper's);
 - the dropout and stochastic-depth baselines at keep rate 0.5;
+- the low-communication controls: DiLoCo at H = 10, alone and with N-SDP backward and forward at
+  C = 0.5;
 - N-SDP and B-SDP forward at C = 0.25 and 0.75, where the model admits it (llama_tiny has
   2 KV groups per layer: 4 workers cannot each hold a quarter of them under N-SDP), with the
   dense controls the model admits.
@@ -77,6 +79,7 @@ COVERAGES = {  # the coverage rows beside C = 0.5, by table: (variant, C)
     "vision": [(v, c) for v in ("n_sdp_forward", "b_sdp_forward") for c in (0.25, 0.75)],
     "language": [("b_sdp_forward", 0.25), ("b_sdp_forward", 0.75), ("n_sdp_forward", 0.75)],
 }
+DILOCO = ("outer=diloco", "outer.sync_every=10")
 DENSE = {"vision": (0.25, 0.5, 0.75), "language": (0.5,)}  # inner widths the tiny models admit
 
 
@@ -98,6 +101,10 @@ def rows(table: str) -> list[Row]:
         matched = (f"variant={v}", "masking.coverage=0.5", "trainer.protocol=flop_matched")
         out.append(Row(f"{v}-c0.5-flop_matched", matched, True))
     out += [Row(f"{v}-c{c:g}", (f"variant={v}", f"masking.coverage={c:g}"), False) for v, c in COVERAGES[table]]
+    # The low-communication controls (docs/lowcomm.md): DiLoCo at H = 10, alone and under SDP.
+    out.append(Row("diloco-h10", ("variant=ddp", *DILOCO), False))
+    for v in ("n_sdp_backward", "n_sdp_forward"):
+        out.append(Row(f"{v}-c0.5-diloco-h10", (f"variant={v}", "masking.coverage=0.5", *DILOCO), False))
     return out
 
 
