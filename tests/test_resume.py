@@ -13,6 +13,7 @@ from conftest import launch, read_run
 from sdp.data import build_data
 from sdp.errors import ConfigError
 from sdp.run.checkpoint import complete_checkpoints
+from sdp.run.config import record_yaml
 from sdp.run.resume import check_resume, first_difference, resume_view
 from sdp.rundir import truncate_metrics
 
@@ -199,3 +200,28 @@ def test_a_run_dir_resumes_however_its_path_is_spelled(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary, _ = read_run(tmp_path / "moved")
     assert summary["status"] == "completed" and summary["resumed_from"] == 3
+
+
+def test_a_run_recorded_before_a_key_was_added_is_the_same_run_at_the_keys_old_value(tmp_path):
+    """A run dir from before model.base_width, model.inner_width and trainer.plateau_threshold
+    existed ran with 64, 1 and 0.005: a sweep skips it, and a resume takes it, at those values,
+    and refuses it at others."""
+    import yaml
+
+    from sdp.run.config import typed_config
+    from sdp.run.resume import check_completed, config_edits
+
+    def record(*overrides):
+        return yaml.safe_load(record_yaml(typed_config(["model=resnet_tiny", "dataset=synthetic_image", *overrides])))
+
+    old = record()
+    for section, key in (("model", "base_width"), ("model", "inner_width"), ("trainer", "plateau_threshold")):
+        del old[section][key]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    check_completed(tmp_path, record())  # no error: the same run
+    assert config_edits(tmp_path / "config.yaml", record(), old) is None
+    assert first_difference(resume_view(old), resume_view(record("model.base_width=32"))) == (
+        "model.base_width: '<absent>' -> 32"
+    )
+    with pytest.raises(ConfigError, match=r"model.inner_width: '<absent>' -> 0.5"):
+        check_completed(tmp_path, record("model.inner_width=0.5"))

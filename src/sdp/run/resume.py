@@ -65,11 +65,20 @@ def resume_view(config: dict | None) -> dict | None:
     return config
 
 
+_ABSENT = "<absent>"
+# Keys added after run dirs were first recorded, each with the value every run recorded before it
+# ran with: a config.yaml without the key is the same run as a config that holds that value.
+ADDED_KEYS = {"trainer.plateau_threshold": 0.005, "model.inner_width": 1.0, "model.base_width": 64}
+
+
 def differences(a, b, prefix: str = "") -> Iterator[str]:
-    """Every dotted key where two nested config containers differ, in key order, as 'key: old -> new'."""
+    """Every dotted key where two nested config containers differ, in key order, as 'key: old -> new'
+    (a key of ADDED_KEYS that one side lacks differs only from another value than its old one)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             if key not in a or key not in b:
+                if ADDED_KEYS.get(f"{prefix}{key}", _ABSENT) == a.get(key, b.get(key)):
+                    continue
                 yield f"{prefix}{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             else:
                 yield from differences(a[key], b[key], f"{prefix}{key}.")
@@ -101,7 +110,7 @@ def config_edits(path: Path, config: dict, recorded: dict | None) -> str | None:
     edited = [
         k
         for k in sorted(set(file) | set(now))
-        if file.get(k, _ABSENT) not in (now.get(k, _ABSENT), then.get(k, _ABSENT))
+        if file.get(k, ADDED_KEYS.get(k, _ABSENT)) not in (now.get(k, _ABSENT), then.get(k, ADDED_KEYS.get(k, _ABSENT)))
     ]
     if not edited:
         return None
@@ -111,9 +120,6 @@ def config_edits(path: Path, config: dict, recorded: dict | None) -> str | None:
         f"{path} was edited: it differs from the config this command resumes with ({'; '.join(shown)}{more}); "
         "it is rewritten with this command's: a run's config is set by its command line, not by config.yaml"
     )
-
-
-_ABSENT = "<absent>"
 
 
 @dataclass(frozen=True)
