@@ -243,7 +243,7 @@ def _check_widths(cfg: ModelConfig) -> None:
     """model.inner_width's scaled counts, refused in one line before anything is built."""
     if isinstance(cfg, LlamaConfig):
         llama_widths(cfg)
-    elif isinstance(cfg, ResNetConfig) and cfg.inner_width != 1:
+    elif isinstance(cfg, ResNetConfig):
         resnet_inner_channels(cfg)
     elif isinstance(cfg, SwinConfig):
         swin_widths(cfg)

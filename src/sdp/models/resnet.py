@@ -63,7 +63,12 @@ def rebuild_stages(model: ResNet, cfg: ResNetConfig) -> None:
     for i, (width, blocks) in enumerate(zip(widths, cfg.layers, strict=True)):
         setattr(model, f"layer{i + 1}", model._make_layer(BasicBlock, width, blocks, stride=1 if i == 0 else 2))
     model.fc = nn.Linear(widths[-1], cfg.num_classes)
-    for m in model.modules():
+    init_like_torchvision(model)
+
+
+def init_like_torchvision(module: nn.Module) -> None:
+    """What torchvision's ResNet does to its convolutions and norms on construction."""
+    for m in module.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(m, nn.BatchNorm2d):
@@ -81,5 +86,5 @@ def narrow_blocks(model: ResNet, inner: list[int]) -> None:
             block.conv1 = nn.Conv2d(c1.in_channels, channels, 3, c1.stride, 1, bias=False)
             block.bn1 = nn.BatchNorm2d(channels)
             block.conv2 = nn.Conv2d(channels, block.conv2.out_channels, 3, 1, 1, bias=False)
-            for conv in (block.conv1, block.conv2):
-                nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+            for new in (block.conv1, block.bn1, block.conv2):
+                init_like_torchvision(new)
