@@ -2,7 +2,8 @@
 
     python scripts/cpu_replica.py [--runs outputs/cpu_replica] [--out results/cpu_replica]
                                   [--tables vision language] [--budgets-only] [--plan]
-                                  [--grid 0.5 1 2] [--seed-counts 5 3] [OVERRIDES ...]
+                                  [--grid 0.5 1 2] [--seed-counts 5 3] [--rows PATTERN ...]
+                                  [OVERRIDES ...]
 
 Each table is 4 CPU processes (K = 4 workers) per run, over the paper's rows:
 
@@ -25,16 +26,18 @@ Every row is made the same way:
    is the table's step budget, written to OUT/budgets.json and into the table's header. A table
    whose probe did not settle runs its default steps and says so.
 2. Learning rate: each row on seed 0 at its default learning rate times each grid factor; the
-   best final quality carries to its seeded runs (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
+   best final quality of the points that passed their gate carries to its seeded runs
+   (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
 3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the
    grid's run at the chosen rate.
 4. The tables, their plots and claims.md, from the chosen runs only; the language table's header
    sets DDP's loss against unigram and bigram models of the same token streams.
 
 The runs stay in --runs: a second call skips completed runs and resumes stopped ones, so the
-work can be spread over several calls; the grids come first, so a partial call leaves every
-row tuned before any is seeded. `--plan` prints each table's runs and their projected time at
-its probe's DDP step time, and runs nothing.
+work can be spread over several calls (`--rows` names the rows a call runs and tabulates); the
+grids come first, so a partial call leaves every row tuned before any is seeded. `--plan`
+prints each table's runs and their projected time at its probe's DDP step time, and runs
+nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -68,12 +72,15 @@ BUDGETS = "budgets.json"
 # budget is measured; the probe is DDP's long run that measures it.
 TABLES = {
     # Vision: ResNet on Fashion-MNIST (the paper's ResNet-18 / CIFAR rows).
-    "vision": ("demo_fmnist", 160, 3000, "image"),
+    "vision": ("replica_fmnist", 1000, 1000, "image"),
     # Language: LLaMA on the Python standard library's sources (the paper's LLaMA / FineWeb rows).
     "language": ("demo_text", 200, 2000, "text"),
 }
 EVALS = 5  # evaluations per run: the gate reads the last two fifths, the costs to target all five
 PROBE_EVALS = 20
+# A run's time beyond its steps on 2 cores: 4 processes' launch and imports, the data, 5
+# evaluations of the 10,000 eval images (measured on replica_fmnist: 13 s + 5 x 1.3 s).
+RUN_OVERHEAD_S = 20
 SDP = ("n_sdp_backward", "n_sdp_forward", "b_sdp_backward", "b_sdp_forward")
 COVERAGES = {  # the coverage rows beside C = 0.5, by table: (variant, C)
     "vision": [(v, c) for v in ("n_sdp_forward", "b_sdp_forward") for c in (0.25, 0.75)],
@@ -93,6 +100,7 @@ class Row:
 
 
 def rows(table: str) -> list[Row]:
+    """The rows of `table`, in the order they run."""
     out = [Row("ddp", ("variant=ddp",), True)]
     out += [Row(f"dense-w{w:g}", ("variant=ddp", f"model.inner_width={w:g}"), True) for w in DENSE[table]]
     for v in (*SDP, "dropout", "stochastic_depth"):
@@ -108,13 +116,20 @@ def rows(table: str) -> list[Row]:
     return out
 
 
-def table_overrides(table: str, steps: int | None = None, *, evals: int = EVALS, eval_every: int | None = None):
+def selected(table: str, patterns: list[str] | None) -> list[Row]:
+    """The rows of `table` that a pattern of --rows matches (all of them without --rows)."""
+    return [r for r in rows(table) if patterns is None or any(fnmatch(r.name, p) for p in patterns)]
+
+
+def table_overrides(
+    table: str, steps: int | None = None, *, evals: int = EVALS, eval_every: int | None = None, experiment=None
+):
     """The overrides every run of `table` shares, at `steps` (default: the table's default steps),
-    evaluated `evals` times (or every `eval_every` steps)."""
-    experiment, default, _, _ = TABLES[table]
+    evaluated `evals` times (or every `eval_every` steps); `experiment` replaces the table's."""
+    default_experiment, default, _, _ = TABLES[table]
     steps = steps or default
     return [
-        f"experiment={experiment}",
+        f"experiment={experiment or default_experiment}",
         f"trainer.max_steps={steps}",
         f"trainer.eval_every={eval_every or max(1, steps // evals)}",
         "trainer.progress=false",
@@ -136,6 +151,7 @@ def parse_args(argv: list[str], *, doc: str, name: str) -> tuple[argparse.Namesp
         parser.add_argument("--plan", action="store_true", help="print the runs and their projected time, run nothing")
         parser.add_argument("--grid", nargs="+", type=float, default=list(lrgrid.FACTORS), help="lr factors")
         parser.add_argument("--seed-counts", nargs=2, type=int, default=[5, 3], metavar=("FULL", "REST"))
+        parser.add_argument("--rows", nargs="+", metavar="PATTERN", help="only the rows these match (fnmatch)")
     args, overrides = parser.parse_known_args(argv)
     unknown = [a for a in overrides if a.startswith("-")]
     if unknown:  # else it would reach Hydra as an override
@@ -198,13 +214,18 @@ def plan_line(table: str, found: dict | None, args: argparse.Namespace) -> str:
     """The table's runs and their projected time, at its probe's DDP step time (SDP rows differ)."""
     steps = (found or {}).get("budget") or TABLES[table][1]
     runs = steps_run = 0
-    for row in rows(table):
+    chosen = selected(table, args.rows)
+    for row in chosen:
         n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
         runs += n
         steps_run += n * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
     step_s = (found or {}).get("step_time_s")
-    hours = f"{steps_run * step_s / 3600:.1f} h at DDP's {step_s:.3f} s a step" if step_s else "no step time yet"
-    return f"cpu_replica: {table}: {len(rows(table))} rows, {runs} runs of {steps} steps, {steps_run} steps: {hours}"
+    if step_s:
+        hours = f"{(steps_run * step_s + runs * RUN_OVERHEAD_S) / 3600:.1f} h at DDP's {step_s:.3f} s a step"
+        hours += f" and {RUN_OVERHEAD_S} s a run"
+    else:
+        hours = "no step time yet"
+    return f"cpu_replica: {table}: {len(chosen)} rows, {runs} runs of {steps} steps, {steps_run} steps: {hours}"
 
 
 # ---------------------------------------------------------------- 2. the grid, 3. the seeds
@@ -265,7 +286,7 @@ def main(argv: list[str]) -> int:
     for table in args.tables:
         base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
         grids = {}
-        for row in rows(table):
+        for row in selected(table, args.rows):
             lr0 = default_lr(table, row, extra)
             grids[row.name] = grid(table, row, base, args.grid, lr0, args.runs)
             chosen[table, row] = lrgrid.choose(grids[row.name], TABLES[table][3])

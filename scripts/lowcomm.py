@@ -11,8 +11,10 @@ ResNet on Fashion-MNIST, the LLaMA on the standard library's sources), every row
 - N-SDP backward at C = 0.5, without and with DiLoCo at H = 10;
 - N-SDP forward and B-SDP forward at C = 0.5 with DiLoCo at H = 10.
 
-The steps are the tables' (160 and 200, with an evaluation at 80% of them): the runs are not
-converged, and each table's convergence lines say by how much. Completed runs are not rerun, so
+The models and steps are those of the tables before `make tables` was sized to converge (STEPS:
+demo_fmnist for 160 steps, demo_text for 200, with an evaluation at 80% of them), so that
+results/lowcomm stays reproducible: the runs are not converged, and each table's convergence
+lines say by how much. `make tables` has the converged DiLoCo rows. Completed runs are not rerun, so
 a partial call leaves whole seeds behind; then the tables are rebuilt from every run dir
 (sdp.analysis.lowcomm).
 """
@@ -22,12 +24,13 @@ from __future__ import annotations
 import sys
 import time
 
-from cpu_replica import NPROC, TABLES, parse_args, table_overrides
+from cpu_replica import NPROC, parse_args, table_overrides
 
 from sdp.analysis.lowcomm import write
 from sdp.launching.sweep import run_sweep
 
 DILOCO = ["outer=diloco", "outer.sync_every=10"]
+STEPS = {"vision": ("demo_fmnist", 160), "language": ("demo_text", 200)}  # table: (experiment, steps)
 SWEEPS = {
     "ddp": ["variant=ddp"],
     "diloco": ["variant=ddp", "outer=diloco", "outer.sync_every=10,50"],
@@ -43,8 +46,9 @@ def main(argv: list[str]) -> int:
         for table in args.tables:
             for name, sweep in SWEEPS.items():
                 where = args.runs / table / f"seed{seed}" / name
-                steps = TABLES[table][1]  # the default steps, evaluated at 80% of them and at the end
-                jobs = [*table_overrides(table, eval_every=4 * steps // 5), *extra, *sweep, f"seed={seed}"]
+                experiment, steps = STEPS[table]  # evaluated at 80% of the steps and at the end
+                shared = table_overrides(table, steps, eval_every=4 * steps // 5, experiment=experiment)
+                jobs = [*shared, *extra, *sweep, f"seed={seed}"]
                 rc = run_sweep([*jobs, f"sweep.nproc={NPROC}", f"sweep.dir={where}", f"sweep.name={table}"])
                 failed += rc != 0
             print(f"lowcomm: seed {seed} of {table} done, {(time.monotonic() - start) / 60:.1f} min so far")

@@ -31,7 +31,7 @@ def _script():
 
 # The best lr factor of each row in the fake, and its accuracy there.
 BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (2.0, 0.88)}
-DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # demo_fmnist's, demo_text's
+DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # replica_fmnist's, demo_text's
 
 
 def _accuracy(cfg) -> float:
@@ -92,13 +92,12 @@ def _play(root: Path, table: str, names: tuple[str, ...], extra: list[str]):
             _fake_run(job_dir(Path(options["sweep.dir"]), i, job, swept), job)
         return 0
 
-    rows = module.rows(table)
-    module.rows = lambda _: [r for r in rows if r.name in names]
     module.run_sweep = fake_sweep
     module.MEMORY_TABLE = SCRIPTS.parent / module.MEMORY_TABLE  # the committed one
     module.CUDA = root / "none" / "*.json"
     runs, out = root / "runs", root / "out"
-    args = ["--tables", table, "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2", *extra]
+    args = ["--tables", table, "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2", "--rows", *names]
+    args += extra
     return module.main(args), runs, out, sweeps
 
 
@@ -112,18 +111,18 @@ def replica(tmp_path_factory):
 def test_the_probe_measures_the_budget_and_the_header_states_it(replica):
     rc, runs, out, sweeps = replica
     assert rc == 0
-    # The probe: DDP, 3000 steps, 20 evaluations, flat from step 1200; smoothed over (m - 300, m],
-    # it is on its final value from step 1350, so the budget is 2700.
+    # The probe: DDP, 1000 steps, 20 evaluations, flat from step 400; smoothed over (m - 100, m],
+    # it is on its final value from step 450, so the budget is 900.
     probe_dir, (probe,) = sweeps[0]
-    assert probe_dir.endswith("vision/probe") and "trainer.max_steps=3000" in probe
-    assert "trainer.eval_every=150" in probe and "variant=ddp" in probe
+    assert probe_dir.endswith("vision/probe") and "trainer.max_steps=1000" in probe
+    assert "trainer.eval_every=50" in probe and "variant=ddp" in probe
     budget = json.loads((out / "budgets.json").read_text())["vision"]
-    assert (budget["settled_step"], budget["budget"]) == (1350, 2700)
+    assert (budget["settled_step"], budget["budget"]) == (450, 900)
     table = (out / "resnet_tiny_fashion_mnist.md").read_text()
-    assert "Step budget: 2700 steps, twice the step (1350)" in table
+    assert "Step budget: 900 steps, twice the step (450)" in table
     # Every later run takes the budget, evaluated 5 times.
     assert all(
-        "trainer.max_steps=2700" in job and "trainer.eval_every=540" in job for _, jobs in sweeps[1:] for job in jobs
+        "trainer.max_steps=900" in job and "trainer.eval_every=180" in job for _, jobs in sweeps[1:] for job in jobs
     )
 
 
@@ -165,11 +164,11 @@ def test_the_tables_hold_the_chosen_runs_only(replica):
     assert (out / "claims.md").is_file()
 
 
-def test_the_grid_chooses_the_lowest_loss_a_tie_goes_to_x1_and_a_failed_run_never_wins():
+def test_the_grid_chooses_the_best_converged_point_a_tie_goes_to_x1_and_a_failed_run_never_wins():
     from sdp.analysis.lrgrid import GridPoint, choose, on_edge
 
-    def p(factor, quality, status="completed"):
-        return GridPoint(factor, 1e-3 * factor, Path("r"), status, quality, True)
+    def p(factor, quality, status="completed", plateaued=True):
+        return GridPoint(factor, 1e-3 * factor, Path("r"), status, quality, plateaued)
 
     tie = [p(0.5, 4.2), p(1.0, 4.2), p(2.0, 4.5)]
     assert choose(tie, "text").factor == 1.0 and not on_edge(tie, choose(tie, "text"))
@@ -177,6 +176,11 @@ def test_the_grid_chooses_the_lowest_loss_a_tie_goes_to_x1_and_a_failed_run_neve
     assert choose(failed, "text").factor == 1.0
     assert choose([p(2.0, None, "failed")], "text") is None
     assert choose([p(0.5, 0.9), p(1.0, 0.8)], "image").factor == 0.5
+    # A point still moving at its end loses to a converged one, however good its last value;
+    # when no point converged, the best of all is chosen.
+    moving = [p(0.5, 0.90), p(1.0, 0.91), p(2.0, 0.93, plateaued=False)]
+    assert choose(moving, "image").factor == 1.0
+    assert choose([p(1.0, 0.91, plateaued=None), p(2.0, 0.93, plateaued=False)], "image").factor == 2.0
 
 
 def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasured_budget(tmp_path):
@@ -202,12 +206,12 @@ def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasu
 def test_the_plan_projects_the_runs_from_the_probes_step_time_and_runs_nothing(replica, capsys):
     _, runs, out, _ = replica
     module = _script()
-    rows = module.rows("vision")
-    module.rows = lambda _: [r for r in rows if r.name in ("ddp", "dense-w0.5", "n_sdp_forward-c0.25")]
     module.run_sweep = lambda argv: pytest.fail(f"--plan ran a sweep: {argv}")
     args = ["--plan", "--tables", "vision", "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2"]
+    args += ["--rows", "ddp", "dense-w0.5", "n_sdp_forward-c0.2*"]  # fnmatch patterns
     assert module.main(args) == 0
-    # 3 grid points + 2 more seeds for DDP and the control, + 1 for C = 0.25: 14 runs of 2700 steps.
+    # 3 grid points + 2 more seeds for DDP and the control, + 1 for C = 0.25: 14 runs of 900 steps,
+    # (12600 x 0.5 s + 14 x 20 s) / 3600 s = 1.83 h.
     assert capsys.readouterr().out == (
-        "cpu_replica: vision: 3 rows, 14 runs of 2700 steps, 37800 steps: 5.2 h at DDP's 0.500 s a step\n"
+        "cpu_replica: vision: 3 rows, 14 runs of 900 steps, 12600 steps: 1.8 h at DDP's 0.500 s a step and 20 s a run\n"
     )

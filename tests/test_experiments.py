@@ -6,7 +6,10 @@ from conftest import launch, read_run
 from sdp.errors import ConfigError
 from sdp.run.config import group_options, load_config
 
-PAPER = [e for e in group_options("experiment") if not e.startswith("demo_")]
+# The CPU stand-ins: demo_* (make run) and replica_* (make tables' sizes of demo_fmnist's model
+# and data, composed by test_cpu_replica).
+PAPER = [e for e in group_options("experiment") if not e.startswith(("demo_", "replica_"))]
+LAUNCHED = [e for e in group_options("experiment") if not e.startswith("replica_")]
 SDP_VARIANTS = [v for v in group_options("variant") if "_sdp_" in v]
 BASELINES = ["dropout", "stochastic_depth"]
 # The tiny stand-in of each family, on synthetic data of its kind, for the launch test.
@@ -62,7 +65,7 @@ def test_flop_matching_leaves_ddp_alone_and_bad_protocols_are_named():
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("experiment", group_options("experiment"))
+@pytest.mark.parametrize("experiment", LAUNCHED)
 def test_every_experiment_runs_two_steps_on_tiny_overrides(tmp_path, experiment):
     cfg = load_config([f"experiment={experiment}"], world_size=2, offline=True, check_data=False)
     family = cfg.model.family
