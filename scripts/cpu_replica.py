@@ -34,8 +34,11 @@ Every row is made the same way:
    sets DDP's loss against unigram and bigram models of the same token streams.
 
 The runs stay in --runs: a second call skips completed runs and resumes stopped ones, so the
-work can be spread over several calls (`--rows` names the rows a call runs and tabulates); the
-grids come first, so a partial call leaves every row tuned before any is seeded. `--plan`
+work can be spread over several calls. OUT/runs keeps the config, summary and metrics of every
+completed run (a few tens of KB each): a call first restores them into --runs, so the calls can
+be spread over machines and sessions too, and a table can be rebuilt from what is committed.
+`--rows` names the rows a call runs and tabulates; the grids come first, so a partial call
+leaves every row tuned before any is seeded. `--plan`
 prints each table's runs and their projected time at its probe's DDP step time, and runs
 nothing.
 """
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -61,13 +65,17 @@ from sdp.data.local_text import cache_dir_for, list_files
 from sdp.launching.sweep import run_sweep
 from sdp.metrics.convergence import gate_metric, settled_step
 from sdp.run.config import typed_config
-from sdp.rundir import CONFIG, evaluations, read_summary
+from sdp.rundir import CONFIG, SUMMARY, evaluations, read_summary, run_status
 
 NPROC = 4
 # The memory claims also read the estimator's table and the H200 measurements.
 MEMORY_TABLE = Path("results/tables/memory_estimates.csv")
 CUDA = Path("results/bench/cuda_memory_*.json")
 BUDGETS = "budgets.json"
+RUNS = "runs"  # OUT/runs: the run records
+# What OUT/runs keeps of every completed run (what the tables read), so that a later call, with
+# an empty --runs, on this machine or another, skips them.
+RECORDED = (CONFIG, SUMMARY, "metrics.jsonl")
 # table: (experiment, default steps, probe steps, dataset kind). The default steps run until a
 # budget is measured; the probe is DDP's long run that measures it.
 TABLES = {
@@ -166,6 +174,35 @@ def sweep(overrides: list[str], where: Path, table: str) -> int:
 def run_dirs(where: Path) -> list[Path]:
     """The run dirs a sweep made under `where`, in job order."""
     return sorted(p for p in where.glob("*") if (p / CONFIG).is_file()) if where.is_dir() else []
+
+
+# ---------------------------------------------------------------- the run records
+
+
+def restore(records: Path, runs: Path) -> int:
+    """Copy each recorded run into --runs where its run dir is missing (so its sweep skips it as
+    completed, or refuses it when its config is no longer the one asked for); how many."""
+    restored = 0
+    for summary in sorted(records.glob(f"**/{SUMMARY}")) if records.is_dir() else ():
+        target = runs / summary.parent.relative_to(records)
+        if not target.exists():
+            target.mkdir(parents=True)
+            for name in RECORDED:
+                if (summary.parent / name).is_file():
+                    shutil.copy2(summary.parent / name, target / name)
+            restored += 1
+    return restored
+
+
+def record(runs: Path, records: Path) -> None:
+    """Copy the config, summary and metrics of every completed run under --runs into OUT/runs."""
+    for summary in sorted(runs.glob(f"**/{SUMMARY}")) if runs.is_dir() else ():
+        if run_status(summary.parent) == "completed":
+            target = records / summary.parent.relative_to(runs)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in RECORDED:
+                if (summary.parent / name).is_file():
+                    shutil.copy2(summary.parent / name, target / name)
 
 
 # ---------------------------------------------------------------- 1. the step budget
@@ -272,9 +309,13 @@ def text_reference(table: str, extra: list[str], ddp_dirs: list[Path]) -> str:
 
 def main(argv: list[str]) -> int:
     args, extra = parse_args(argv, doc=__doc__, name="cpu_replica")
-    start, found = time.monotonic(), budgets(args.out)
+    start, found, records = time.monotonic(), budgets(args.out), args.out / RUNS
+    for table in args.tables if not args.plan else ():
+        restored = restore(records / table, args.runs / table)
+        print(f"cpu_replica: {table}: {restored} recorded runs restored from {records / table}")
     for table in [t for t in args.tables if t not in found and not args.plan]:
         found[table] = measure_budget(table, args.runs, extra)
+        record(args.runs / table, records / table)
         print(f"cpu_replica: {budget_note(table, found[table])}")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / BUDGETS).write_text(json.dumps(found, indent=2) + "\n")
@@ -298,6 +339,7 @@ def main(argv: list[str]) -> int:
             budget_note(table, found.get(table)),
             f"Learning rates: chosen on a grid, [{path.name}]({path.name}).",
         ]
+        record(args.runs / table, records / table)
         print(f"cpu_replica: {table}'s grids done, {(time.monotonic() - start) / 60:.1f} min so far")
     for (table, row), best in chosen.items():
         if best is not None:
@@ -306,6 +348,8 @@ def main(argv: list[str]) -> int:
             roots.setdefault(table, []).extend(dirs)
             if row.name == "ddp" and TABLES[table][3] == "text":
                 notes[table].append(text_reference(table, extra, dirs))
+    for table in args.tables:
+        record(args.runs / table, records / table)
     print(f"cpu_replica: seeds done, {(time.monotonic() - start) / 60:.1f} min in all")
     return finish(args, roots, notes, missing)
 

@@ -6,6 +6,7 @@ tables and claims built from the chosen runs only. A real run of every row is `m
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -77,25 +78,27 @@ def _fake_run(run_dir: Path, job: list[str]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
-def _play(root: Path, table: str, names: tuple[str, ...], extra: list[str]):
+def _play(root: Path, table: str, names: tuple[str, ...], extra: list[str], out: Path | None = None):
     """One call of the script over the named rows of `table`, 3 seeds for the full rows and 2 for
-    the rest, its sweeps played by the fake; returns (exit code, runs dir, out dir, sweeps)."""
+    the rest, its sweeps played by the fake (which, like a sweep, skips a completed run dir);
+    returns (exit code, runs dir, out dir, sweeps: (dir, the jobs it ran))."""
     module, sweeps = _script(), []
 
     def fake_sweep(argv: list[str]) -> int:
         options = dict(a.split("=", 1) for a in argv if a.startswith("sweep."))
         overrides = [a for a in argv if not a.startswith("sweep.")]
-        jobs = expand(overrides)
         swept = {o.split("=", 1)[0] for o in overrides if "," in o}
-        sweeps.append((options["sweep.dir"], jobs))
-        for i, job in enumerate(jobs):
-            _fake_run(job_dir(Path(options["sweep.dir"]), i, job, swept), job)
+        jobs = [(job_dir(Path(options["sweep.dir"]), i, job, swept), job) for i, job in enumerate(expand(overrides))]
+        jobs = [(run_dir, job) for run_dir, job in jobs if not (run_dir / "summary.json").is_file()]
+        sweeps.append((options["sweep.dir"], [job for _, job in jobs]))
+        for run_dir, job in jobs:
+            _fake_run(run_dir, job)
         return 0
 
     module.run_sweep = fake_sweep
     module.MEMORY_TABLE = SCRIPTS.parent / module.MEMORY_TABLE  # the committed one
     module.CUDA = root / "none" / "*.json"
-    runs, out = root / "runs", root / "out"
+    runs, out = root / "runs", out or root / "out"
     args = ["--tables", table, "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2", "--rows", *names]
     args += extra
     return module.main(args), runs, out, sweeps
@@ -162,6 +165,22 @@ def test_the_tables_hold_the_chosen_runs_only(replica):
         in (out / "resnet_tiny_fashion_mnist.md").read_text()
     )
     assert (out / "claims.md").is_file()
+
+
+def test_out_keeps_every_completed_run_and_a_call_with_empty_runs_reruns_none(replica, tmp_path):
+    _, runs, out, sweeps = replica
+    ran = sorted(Path(d, p.name).relative_to(runs) for d, _ in sweeps for p in Path(d).iterdir() if p.is_dir())
+    kept = sorted(p.parent.relative_to(out / "runs") for p in (out / "runs").glob("**/summary.json"))
+    assert kept == ran and len(kept) == 1 + 3 * 3 + 2 + 2 + 1  # the probe, 3 grids, the seeds
+    recorded = sorted(f.name for f in (out / "runs" / kept[0]).iterdir())
+    assert recorded == ["config.yaml", "metrics.jsonl", "summary.json"]
+    table = (out / "resnet_tiny_fashion_mnist.md").read_text()
+    # Another machine: no --runs, the committed OUT. Every run is restored and none runs again.
+    again = tmp_path / "out"
+    shutil.copytree(out, again)
+    rc, _, _, replayed = _play(tmp_path, "vision", ("ddp", "dense-w0.5", "n_sdp_forward-c0.25"), [], out=again)
+    assert rc == 0 and [jobs for _, jobs in replayed] == [[]] * len(replayed) and replayed
+    assert (again / "resnet_tiny_fashion_mnist.md").read_text() == table
 
 
 def test_the_grid_chooses_the_best_converged_point_a_tie_goes_to_x1_and_a_failed_run_never_wins():
