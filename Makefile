@@ -101,7 +101,8 @@ lint: setup
 # CPU-scale replicas of the paper's tables: 4 CPU processes a run on real offline data; DDP's probe
 # measures each table's step budget, every row gets an lr grid on seed 0, then 5 or 3 seeds at its
 # best rate; sdp.collect --claims over the chosen runs (outputs/cpu_replica; completed runs are
-# not rerun, so the work can be spread over several calls).
+# not rerun, and results/cpu_replica/runs keeps them, so the work can be spread over several calls,
+# sessions or machines).
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
 
