@@ -26,7 +26,8 @@ Every row is made the same way:
    is the table's step budget, written to OUT/budgets.json and into the table's header. A table
    whose probe did not settle runs its default steps and says so.
 2. Learning rate: each row on seed 0 at its default learning rate times each grid factor; the
-   best final quality of the points that passed their gate carries to its seeded runs
+   best final quality of the points that passed their gate carries to its seeded runs; a best
+   point on the grid's edge first extends the grid by one factor of 2 past it
    (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
 3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the
    grid's run at the chosen rate.
@@ -273,11 +274,20 @@ def default_lr(table: str, row: Row, extra: list[str]) -> float:
 
 
 def grid(table: str, row: Row, base: list[str], factors: list[float], lr0: float, runs: Path) -> list:
-    """Run the row's grid on seed 0; its points, each read from its run dir."""
-    where = runs / table / "grid" / row.name
-    rates = ",".join(f"{lr0 * f:.6g}" for f in factors)
-    sweep([*base, *row.overrides, f"optim.lr={rates}", "seed=0"], where, table)
-    return grid_points(where, lr0, TABLES[table][3])
+    """Run the row's grid on seed 0: `factors`, any the row already ran, and one factor of 2 past
+    the edge while its best point lies there, up to lrgrid.EXTENSIONS more; its points, each
+    read from its run dir."""
+    where, kind, limit = runs / table / "grid" / row.name, TABLES[table][3], len(factors) + lrgrid.EXTENSIONS
+    factors = list(factors)
+    factors += [p.factor for p in grid_points(where, lr0, kind) if p.factor not in factors]  # in job order
+    while True:
+        rates = ",".join(f"{lr0 * f:.6g}" for f in factors)  # the points run before keep their job dirs
+        sweep([*base, *row.overrides, f"optim.lr={rates}", "seed=0"], where, table)
+        points = grid_points(where, lr0, kind)
+        beyond = lrgrid.extension(points, kind)
+        if beyond is None or beyond in factors or len(factors) >= limit:
+            return points
+        factors.append(beyond)
 
 
 def grid_points(where: Path, lr0: float, kind: str) -> list:

@@ -31,7 +31,9 @@ def _script():
 
 
 # The best lr factor of each row in the fake, and its accuracy there.
-BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (2.0, 0.88)}
+# DDP's is inside the grid, the dense control's on its lower edge (one extension, to x0.25, finds
+# it), N-SDP forward's beyond its upper edge even after the extension to x4.
+BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (8.0, 0.88)}
 DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # replica_fmnist's, demo_text's
 
 
@@ -131,24 +133,30 @@ def test_the_probe_measures_the_budget_and_the_header_states_it(replica):
 
 def test_every_row_runs_its_grid_on_seed_0_and_its_seeds_at_the_best_rate(replica):
     _, runs, out, sweeps = replica
-    grids = {Path(d).name: jobs for d, jobs in sweeps if "/grid/" in d}
-    assert sorted(grids) == ["ddp", "dense-w0.5", "n_sdp_forward-c0.25"]
-    for jobs in grids.values():
-        assert [j for j in jobs[0] if j.startswith("optim.lr=")] == ["optim.lr=0.001"]
-        assert sorted(next(o for o in j if o.startswith("optim.lr=")) for j in jobs) == [
-            "optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004"]  # fmt: skip
-        assert all("seed=0" in j for j in jobs)
+    grids = {}
+    for d, jobs in sweeps:  # a grid extended past its edge is a second sweep of the same dir
+        if "/grid/" in d:
+            grids.setdefault(Path(d).name, []).extend(jobs)
+    lrs = {name: [next(o for o in j if o.startswith("optim.lr=")) for j in jobs] for name, jobs in grids.items()}
+    assert lrs == {
+        "ddp": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004"],
+        "dense-w0.5": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004", "optim.lr=0.0005"],  # x0.25 last
+        "n_sdp_forward-c0.25": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004", "optim.lr=0.008"],
+    }
+    assert all("seed=0" in j for jobs in grids.values() for j in jobs)
     seeds = {Path(d).name: jobs for d, jobs in sweeps if "/seeds/" in d}
     # DDP and the dense control: 3 seeds (seed 0 is the grid's run); C = 0.25: 2.
     lr_of = {name: {o for j in jobs for o in j if o.startswith(("optim.lr=", "seed="))} for name, jobs in seeds.items()}
     assert lr_of == {
         "ddp": {"optim.lr=0.002", "seed=1", "seed=2"},
         "dense-w0.5": {"optim.lr=0.001", "seed=1", "seed=2"},
-        "n_sdp_forward-c0.25": {"optim.lr=0.004", "seed=1"},
+        "n_sdp_forward-c0.25": {"optim.lr=0.008", "seed=1"},
     }
     grid_md = (out / "vision_lr_grid.md").read_text()
-    assert "| ddp | 0.8800 | 0.9000 | 0.8800 | 0.002 (x1) | no |" in grid_md
-    assert "| n_sdp_forward-c0.25 | 0.8000 | 0.8600 | 0.8800 | 0.004 (x2) | yes |" in grid_md
+    assert "| row | x0.25 | x0.5 | x1 | x2 | x4 | chosen lr | on the edge |" in grid_md
+    assert "| ddp | not run | 0.8800 | 0.9000 | 0.8800 | not run | 0.002 (x1) | no |" in grid_md
+    assert "| dense-w0.5 | 0.8400 | 0.8600 | 0.8400 | 0.7800 | not run | 0.001 (x0.5) | no |" in grid_md
+    assert "| n_sdp_forward-c0.25 | not run | 0.5600 | 0.7000 | 0.8000 | 0.8600 | 0.008 (x4) | yes |" in grid_md
 
 
 def test_the_tables_hold_the_chosen_runs_only(replica):
@@ -157,7 +165,7 @@ def test_the_tables_hold_the_chosen_runs_only(replica):
     head = csv[0].split(",")
     rows = {r.split(",")[0]: dict(zip(head, r.split(","), strict=True)) for r in csv[1:]}
     assert sorted(rows) == ["DDP", "DDP (inner width 0.5)", "N-SDP forward"]
-    assert [(rows[v]["runs"], rows[v]["lr"]) for v in sorted(rows)] == [("3", "0.002"), ("3", "0.001"), ("2", "0.004")]
+    assert [(rows[v]["runs"], rows[v]["lr"]) for v in sorted(rows)] == [("3", "0.002"), ("3", "0.001"), ("2", "0.008")]
     # The grid's other points are not in the table: DDP's mean is over its chosen-rate seeds.
     assert float(rows["DDP"]["eval_acc"]) == pytest.approx(0.90 + 0.002)
     assert (
@@ -169,9 +177,9 @@ def test_the_tables_hold_the_chosen_runs_only(replica):
 
 def test_out_keeps_every_completed_run_and_a_call_with_empty_runs_reruns_none(replica, tmp_path):
     _, runs, out, sweeps = replica
-    ran = sorted(Path(d, p.name).relative_to(runs) for d, _ in sweeps for p in Path(d).iterdir() if p.is_dir())
+    ran = sorted({Path(d, p.name).relative_to(runs) for d, _ in sweeps for p in Path(d).iterdir() if p.is_dir()})
     kept = sorted(p.parent.relative_to(out / "runs") for p in (out / "runs").glob("**/summary.json"))
-    assert kept == ran and len(kept) == 1 + 3 * 3 + 2 + 2 + 1  # the probe, 3 grids, the seeds
+    assert kept == ran and len(kept) == 1 + 3 + 4 + 4 + 2 + 2 + 1  # the probe, 3 grids, the seeds
     recorded = sorted(f.name for f in (out / "runs" / kept[0]).iterdir())
     assert recorded == ["config.yaml", "metrics.jsonl", "summary.json"]
     table = (out / "resnet_tiny_fashion_mnist.md").read_text()

@@ -6,10 +6,12 @@ rate times each factor of the grid (x0.5, x1, x2 by default). The point of best 
 among the points that passed their convergence gate carries to the row's seeded runs: a final
 value still moving is not yet that rate's quality, and a row tuned to it would fail the gate
 its verdicts need. Only when no point passed is the best of all chosen. A tie goes to the factor
-nearest 1, and a run that failed or ended without an evaluation is never chosen. The grid, with
+nearest 1, and a run that failed or ended without an evaluation is never chosen. A grid whose
+best point lies on its edge is extended by one factor of 2 beyond that edge (`extension`), up to
+EXTENSIONS times, so no row is left tuned at a rate its grid never looked past. The grid, with
 every point's quality and gate, goes beside the tables (`<table>_lr_grid.md`), so a reader sees
-how far each row's choice was from its neighbours and whether the best point lies on the grid's
-edge (then a wider grid may do better still, and the table says so).
+how far each row's choice was from its neighbours and whether the best point still lies on the
+grid's edge (then a wider grid may do better still, and the table says so).
 
 This module only reads run dirs; `scripts/cpu_replica.py` runs the grids.
 """
@@ -25,6 +27,7 @@ from sdp.paths import read_yaml_mapping
 from sdp.rundir import CONFIG, Summary, read_summary
 
 FACTORS = (0.5, 1.0, 2.0)
+EXTENSIONS = 1  # factors of 2 a grid may add beyond its edge
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,16 @@ def on_edge(points: list[GridPoint], chosen: GridPoint) -> bool:
     """Whether the chosen point is the grid's smallest or largest factor (a wider grid may beat it)."""
     factors = [p.factor for p in points]
     return len(factors) > 1 and chosen.factor in (min(factors), max(factors))
+
+
+def extension(points: list[GridPoint], kind: str) -> float | None:
+    """The factor to run next: twice the largest (or half the smallest) factor when the chosen
+    point is that edge; None when it is inside the grid, or nothing was chosen."""
+    chosen = choose(points, kind)
+    if chosen is None or not on_edge(points, chosen):
+        return None
+    factors = [p.factor for p in points]
+    return max(factors) * 2 if chosen.factor == max(factors) else min(factors) / 2
 
 
 def grid_markdown(table: str, grids: dict[str, list[GridPoint]], kind: str, *, command: str) -> str:
