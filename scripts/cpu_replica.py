@@ -39,9 +39,8 @@ work can be spread over several calls. OUT/runs keeps the config, summary and me
 completed run (a few tens of KB each): a call first restores them into --runs, so the calls can
 be spread over machines and sessions too, and a table can be rebuilt from what is committed.
 `--rows` names the rows a call runs and tabulates; the grids come first, so a partial call
-leaves every row tuned before any is seeded. `--plan`
-prints each table's runs and their projected time at its probe's DDP step time, and runs
-nothing.
+leaves every row tuned before any is seeded. `--plan` prints each table's runs (before any grid
+extension) and their projected time at its probe's DDP step time, and runs nothing.
 """
 
 from __future__ import annotations
@@ -180,30 +179,32 @@ def run_dirs(where: Path) -> list[Path]:
 # ---------------------------------------------------------------- the run records
 
 
+def _summaries(root: Path) -> list[Path]:
+    return sorted(root.glob(f"**/{SUMMARY}")) if root.is_dir() else []
+
+
+def _copy_run(source: Path, target: Path) -> None:
+    """The RECORDED files of run dir `source` into `target`."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in RECORDED:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+
+
 def restore(records: Path, runs: Path) -> int:
     """Copy each recorded run into --runs where its run dir is missing (so its sweep skips it as
     completed, or refuses it when its config is no longer the one asked for); how many."""
-    restored = 0
-    for summary in sorted(records.glob(f"**/{SUMMARY}")) if records.is_dir() else ():
-        target = runs / summary.parent.relative_to(records)
-        if not target.exists():
-            target.mkdir(parents=True)
-            for name in RECORDED:
-                if (summary.parent / name).is_file():
-                    shutil.copy2(summary.parent / name, target / name)
-            restored += 1
-    return restored
+    missing = [s.parent for s in _summaries(records) if not (runs / s.parent.relative_to(records)).exists()]
+    for run_dir in missing:
+        _copy_run(run_dir, runs / run_dir.relative_to(records))
+    return len(missing)
 
 
 def record(runs: Path, records: Path) -> None:
     """Copy the config, summary and metrics of every completed run under --runs into OUT/runs."""
-    for summary in sorted(runs.glob(f"**/{SUMMARY}")) if runs.is_dir() else ():
+    for summary in _summaries(runs):
         if run_status(summary.parent) == "completed":
-            target = records / summary.parent.relative_to(runs)
-            target.mkdir(parents=True, exist_ok=True)
-            for name in RECORDED:
-                if (summary.parent / name).is_file():
-                    shutil.copy2(summary.parent / name, target / name)
+            _copy_run(summary.parent, records / summary.parent.relative_to(runs))
 
 
 # ---------------------------------------------------------------- 1. the step budget

@@ -14,8 +14,8 @@ ResNet on Fashion-MNIST, the LLaMA on the standard library's sources), every row
 The models and steps are those of the tables before `make tables` was sized to converge (STEPS:
 demo_fmnist for 160 steps, demo_text for 200, with an evaluation at 80% of them), so that
 results/lowcomm stays reproducible: the runs are not converged, and each table's convergence
-lines say by how much. `make tables` has the converged DiLoCo rows. Completed runs are not rerun, so
-a partial call leaves whole seeds behind; then the tables are rebuilt from every run dir
+lines say by how much (`make tables` has DiLoCo rows at its measured budget). Completed runs
+are not rerun, so a partial call leaves whole seeds behind; then the tables are rebuilt from every run dir
 (sdp.analysis.lowcomm).
 """
 
