@@ -26,7 +26,7 @@ Every row is made the same way:
    is the table's step budget, written to OUT/budgets.json and into the table's header. A table
    whose probe did not settle runs its default steps and says so.
 2. Learning rate: each row on seed 0 at its default learning rate times each grid factor; the
-   best final quality of the points that passed their gate carries to its seeded runs; a best
+   best final quality, its gate aside, carries to its seeded runs; a best
    point on the grid's edge first extends the grid by one factor of 2 past it
    (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
 3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the

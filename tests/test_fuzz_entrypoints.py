@@ -99,7 +99,6 @@ PATHS = [
 ]
 CONTRADICTIONS = [
     ["masking=backward", "masking.coverage=1", "masking.scale=none"],
-    ["masking=backward", "masking.coverage=1", "masking.bn_recalibration_batches=3"],
     ["variant=n_sdp_forward", "masking=backward"],
     ["variant=b_sdp_forward", "masking.granularity=neuron"],
     ["trainer.save_model=false"],

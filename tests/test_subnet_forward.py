@@ -77,23 +77,25 @@ def test_inverse_coverage_scales_each_site_by_units_over_held():
 
 
 def test_batchnorm_recalibration_recomputes_statistics(tmp_path):
-    """After recalibration the running mean is the mean over all calibration samples, and momentum is kept."""
+    """After recalibration the running mean is the mean over all calibration samples of the model
+    as evaluated (its dropout off), and momentum and every module's mode are kept."""
     import torch.distributed as dist
 
     from sdp.run.trainer import recalibrate_batchnorm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1, bias=False), torch.nn.BatchNorm2d(4)).eval()
-        bn = model[1]
+        conv = torch.nn.Conv2d(3, 4, 1, bias=False)
+        model = torch.nn.Sequential(conv, torch.nn.Dropout(0.5), torch.nn.BatchNorm2d(4)).eval()
+        bn = model[2]
         bn.running_mean.fill_(7.0)
         g = torch.Generator().manual_seed(0)
         batches = [{"inputs": torch.randn(8, 3, 5, 5, generator=g) + i} for i in range(3)]
         recalibrate_batchnorm(model, iter(batches), count=3, device=torch.device("cpu"))
         with torch.no_grad():
-            features = model[0](torch.cat([b["inputs"] for b in batches]))
+            features = conv(torch.cat([b["inputs"] for b in batches]))
         torch.testing.assert_close(bn.running_mean, features.mean(dim=(0, 2, 3)), rtol=1e-5, atol=1e-6)
-        assert bn.momentum == 0.1 and not model.training
+        assert bn.momentum == 0.1 and not any(m.training for m in model.modules())
     finally:
         dist.destroy_process_group()
 

@@ -85,6 +85,36 @@ def test_ddp_run_writes_summary_with_falling_loss(family, tmp_path, text_dir):
         load_model_pt(run_dir, FAMILIES[family][:2])
 
 
+@pytest.mark.parametrize(
+    "overrides,recalibrates",
+    [
+        (["masking=none"], True),
+        (["masking=backward", "masking.coverage=0.5"], True),
+        (["masking=dropout"], True),
+        (["masking=none", "masking.bn_recalibration_batches=0"], False),
+        (["model=llama_tiny", "dataset=synthetic_text"], False),  # no BatchNorm
+    ],
+)
+def test_every_masking_mode_recalibrates_batchnorm_when_asked(tmp_path, overrides, recalibrates):
+    """masking.bn_recalibration_batches gives DDP, backward masking and the baselines their
+    calibration batches too (before, forward masking only): the replica tables evaluate all rows alike."""
+    from types import SimpleNamespace
+
+    from sdp import dist
+    from sdp.models import build_model
+    from sdp.run.config import typed_config
+    from sdp.run.runner import calibration_stream
+
+    base = ["model=resnet_tiny", "dataset=synthetic_image", "masking.bn_recalibration_batches=2"]
+    cfg = typed_config([*base, *overrides, f"output_root={tmp_path}"])
+    strategy = SimpleNamespace(model=build_model(cfg.model))
+    world = dist.World(rank=0, local_rank=0, world_size=1)
+    stream = calibration_stream(cfg, strategy, world=world, batch_size=4)
+    assert (stream is not None) == recalibrates
+    if recalibrates:
+        assert next(stream)["inputs"].shape[0] == 4
+
+
 def test_bad_override_fails_before_any_process_group(tmp_path):
     run_dir = tmp_path / "never"
     proc = launch(["model=resnet_tiny", "trainer.global_batch_size=33", f"run_dir={run_dir}"], cwd=tmp_path)
@@ -119,7 +149,7 @@ def test_sdp_run_through_the_entrypoint(tmp_path, mode):
         f"masking={mode}",
         "masking.granularity=block",
         "masking.coverage=0.5",
-        f"masking.bn_recalibration_batches={2 if mode == 'forward' else 0}",  # forward masking only
+        "masking.bn_recalibration_batches=2",
         "masking.resample_every=2",
         "trainer.max_steps=4",
         "trainer.eval_every=2",

@@ -60,11 +60,11 @@ def pivot_keys(cfg: RunConfig) -> dict:
 
 
 def calibration_stream(cfg: RunConfig, strategy: Strategy, *, world: dist.World, batch_size: int, start_batch: int = 0):
-    """Training batches for BatchNorm recalibration of an assembled model, from a stream of
+    """Training batches for BatchNorm recalibration of the evaluated model, from a stream of
     their own (another seed), so the training data order is not disturbed; None when unused.
     `start_batch`: batches earlier evaluations of a resumed run took from it."""
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in strategy.model.modules())
-    if cfg.masking.name != "forward" or cfg.masking.bn_recalibration_batches == 0 or not has_bn:
+    if cfg.masking.bn_recalibration_batches == 0 or not has_bn:
         return None
     data = build_data(
         cfg.dataset,

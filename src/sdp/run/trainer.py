@@ -50,21 +50,22 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 @torch.no_grad()
 def recalibrate_batchnorm(model: nn.Module, batches: Iterator[dict], *, count: int, device: torch.device) -> None:
     """Recompute BatchNorm running statistics from `count` batches (cumulative average), then
-    average them over ranks so that every rank evaluates the same model."""
+    average them over ranks so that every rank evaluates the same model. Only the norms run in
+    training mode: the statistics are those of the model as evaluated (no dropout, no dropped
+    units or blocks)."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms or count == 0:
         return
-    momenta = [m.momentum for m in norms]
+    states = [(m.momentum, m.training) for m in norms]
     for m in norms:
         m.reset_running_stats()
         m.momentum = None
-    was_training = model.training
-    model.train()
+        m.train()
     for _ in range(count):
         model(_to_device(next(batches), device)["inputs"])
-    model.train(was_training)
-    for m, momentum in zip(norms, momenta, strict=True):
+    for m, (momentum, training) in zip(norms, states, strict=True):
         m.momentum = momentum
+        m.train(training)
         for stat in (m.running_mean, m.running_var):
             dist.all_reduce_(stat).div_(dist.world_size())
 
@@ -181,8 +182,8 @@ def save_model(state: dict, path: Path) -> str | None:
 @dataclass
 class Evaluation:
     """The loop's evaluations: loss (and accuracy) on the full model over every rank's eval
-    shard, after BatchNorm recalibration from `calibration` under forward masking; the final one
-    also writes that model to `model_path` (None: not saved)."""
+    shard, after BatchNorm recalibration from `calibration` (masking.bn_recalibration_batches);
+    the final one also writes that model to `model_path` (None: not saved)."""
 
     data: DataBundle
     device: torch.device

@@ -95,11 +95,14 @@ class MaskingConfig:
     #                     as stochastic depth scales a block by its survival rate at test time;
     #   none;  auto: inverse_coverage for neurons, eval_coverage for blocks.
     scale: Scale = Scale.auto
-    # Forward masking: before each evaluation, recompute the assembled model's
-    # BatchNorm statistics on this many training batches per rank (averaged over
-    # ranks). Each holder measured its units' statistics inside its own
-    # subnetwork, which the full model's activations no longer match (the
-    # recalibration of slimmable / once-for-all networks). 0: off (masking/forward.yaml: 20).
+    # Before each evaluation, recompute the evaluated model's BatchNorm statistics
+    # on this many training batches per rank (averaged over ranks); 0: off. Forward
+    # masking needs it (masking/forward.yaml: 20): each holder measured its units'
+    # statistics inside its own subnetwork, which the assembled model's activations
+    # no longer match (the recalibration of slimmable / once-for-all networks).
+    # Every other mode may set it too (the replica tables do): it then evaluates
+    # the average of every rank's statistics of the final weights, not rank 0's
+    # running average over its recent batches. A model without BatchNorm ignores it.
     bn_recalibration_batches: int = 0
     # Draw a new mask every this many optimizer steps (IST-style; 0: one mask for the
     # whole run). Units' weights and optimizer state move from their old holders to
@@ -124,12 +127,6 @@ def validate_masking(cfg: MaskingConfig) -> None:
     if cfg.name != "forward" and cfg.scale != "auto":  # an option that would be ignored is refused
         raise ConfigError(
             "masking.scale", cfg.scale, f"applies only to masking=forward (masking={cfg.name} trains unscaled)"
-        )
-    if cfg.name != "forward" and cfg.bn_recalibration_batches:
-        raise ConfigError(
-            "masking.bn_recalibration_batches",
-            cfg.bn_recalibration_batches,
-            f"applies only to masking=forward (masking={cfg.name} evaluates the model it trained): must be 0",
         )
     if not is_sdp(cfg.name) and cfg.resample_every:
         raise ConfigError(
