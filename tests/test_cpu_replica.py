@@ -34,7 +34,7 @@ def _script():
 # DDP's is inside the grid, the dense control's on its lower edge (one extension, to x0.25, finds
 # it), N-SDP forward's beyond its upper edge even after the extension to x4.
 BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (8.0, 0.88)}
-DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # replica_fmnist's, demo_text's
+DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # replica_fmnist's, replica_text's
 
 
 def _accuracy(cfg) -> float:
@@ -210,6 +210,14 @@ def test_the_grid_chooses_the_best_point_a_tie_goes_to_x1_and_a_failed_run_never
     assert choose([p(1.0, 0.91, plateaued=None), p(2.0, 0.90)], "image").factor == 1.0
 
 
+def test_a_probe_that_fails_its_gate_records_how_far_its_metric_moved():
+    module = _script()
+    gate = {"metric": "eval_loss", "change": 0.015665, "plateaued": False}
+    moved = "the probe did not pass its own gate: its smoothed eval loss moved 1.57% over its last fifth"
+    assert module._unsettled(gate) == moved
+    assert module._unsettled({**gate, "change": None}) == "the probe did not pass its own gate"
+
+
 def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasured_budget(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -218,12 +226,12 @@ def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasu
     extra = [f"dataset.path={corpus}", "dataset.eval_every=2", "dataset.vocab_size=300", "dataset.seq_len=32"]
     rc, _, out, sweeps = _play(tmp_path, "language", ("ddp",), extra)
     assert rc == 0
-    # The fake's probe logs no eval loss: no budget, and the runs take the default 200 steps.
+    # The fake's probe logs no eval loss: no budget, and the runs take the default 1080 steps.
     assert json.loads((out / "budgets.json").read_text())["language"]["budget"] is None
-    assert all("trainer.max_steps=200" in job for _, jobs in sweeps[1:] for job in jobs)
+    assert all("trainer.max_steps=1080" in job for _, jobs in sweeps[1:] for job in jobs)
     header = (out / "llama_tiny_local_text.md").read_text()
     assert (
-        "Step budget: **not measured** (the probe did not pass its own gate); the runs take the default 200" in header
+        "Step budget: **not measured** (the probe did not pass its own gate); the runs take the default 1080" in header
     )
     # DDP's loss over its 3 seeds: 1 - (0.90, 0.902, 0.904) -> 0.098.
     line = next(line for line in header.splitlines() if line.startswith("Reference losses on the eval split"))
