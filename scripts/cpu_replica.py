@@ -237,10 +237,13 @@ def measure_budget(table: str, runs: Path, extra: list[str]) -> dict:
 
 
 def _unsettled(gate: dict) -> str:
-    why = "the probe did not pass its own gate"
+    """Why a probe gave no budget: it failed the 0.5% gate that `settled_step` applies (whatever
+    its table's own gate), and by how much."""
+    why = "the probe did not settle"
     if gate["change"] is None:
         return why
-    return f"{why}: its smoothed {gate['metric'].replace('_', ' ')} moved {gate['change']:.2%} over its last fifth"
+    metric, limit = gate["metric"].replace("_", " "), gate["threshold"]
+    return f"{why}: its smoothed {metric} moved {gate['change']:.2%} over its last fifth, against {limit:.1%}"
 
 
 def budgets(out: Path) -> dict:
