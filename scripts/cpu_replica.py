@@ -27,7 +27,7 @@ Every row is made the same way:
    whose probe did not settle runs its default steps and says so.
 2. Learning rate: each row on seed 0 at its default learning rate times each grid factor; the
    best final quality, its gate aside, carries to its seeded runs; a best
-   point on the grid's edge first extends the grid by one factor of 2 past it
+   point on the grid's edge first extends the grid by a factor of 2 past it, up to twice
    (`sdp.analysis.lrgrid`; OUT/<table>_lr_grid.md).
 3. Seeds: 5 for DDP, the dense controls and the C = 0.5 rows, 3 for the rest; seed 0 is the
    grid's run at the chosen rate.
@@ -38,9 +38,12 @@ The runs stay in --runs: a second call skips completed runs and resumes stopped 
 work can be spread over several calls. OUT/runs keeps the config, summary and metrics of every
 completed run (a few tens of KB each): a call first restores them into --runs, so the calls can
 be spread over machines and sessions too, and a table can be rebuilt from what is committed.
-`--rows` names the rows a call runs and tabulates; the grids come first, so a partial call
-leaves every row tuned before any is seeded. `--plan` prints each table's runs (before any grid
-extension) and their projected time at its probe's DDP step time, and runs nothing.
+`--rows` names the rows a call runs, the grids first, so a partial call leaves every row tuned
+before any is seeded; the tables and claims.md hold every row whose grid and seeds are complete,
+run by this call or an earlier one. A row's seeded runs sit in a folder of their rate
+(seeds/<row>/lr_<rate>), so a grid extended later, whose choice moves, seeds its new rate anew.
+`--plan` prints each table's runs (before any grid extension) and their projected time at its
+probe's DDP step time, and runs nothing.
 """
 
 from __future__ import annotations
@@ -299,10 +302,17 @@ def grid(table: str, row: Row, base: list[str], factors: list[float], lr0: float
         rates = ",".join(f"{lr0 * f:.6g}" for f in factors)  # the points run before keep their job dirs
         sweep([*base, *row.overrides, f"optim.lr={rates}", "seed=0"], where, table)
         points = grid_points(where, lr0, kind)
-        beyond = lrgrid.extension(points, kind)
-        if beyond is None or beyond in factors or len(factors) >= limit:
+        beyond = next_factor(points, kind, limit)
+        if beyond is None:
             return points
         factors.append(beyond)
+
+
+def next_factor(points: list, kind: str, limit: int) -> float | None:
+    """The factor a grid runs next: one past its edge while its best point lies there and it has
+    fewer than `limit` points; None when the grid is done."""
+    beyond, factors = lrgrid.extension(points, kind), [p.factor for p in points]
+    return None if beyond is None or beyond in factors or len(factors) >= limit else beyond
 
 
 def grid_points(where: Path, lr0: float, kind: str) -> list:
@@ -310,14 +320,35 @@ def grid_points(where: Path, lr0: float, kind: str) -> list:
     return [lrgrid.point(run_dir, default_lr=lr0, kind=kind) for run_dir in run_dirs(where)]
 
 
+def seed_dir(runs: Path, table: str, row: Row, lr: float) -> Path:
+    """Where a row's seeded runs at `lr` go: one folder a rate, so that a grid extended later,
+    whose choice moves, seeds its new rate beside the old one's runs instead of being refused."""
+    return runs / table / "seeds" / row.name / f"lr_{lr:.6g}"
+
+
 def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], runs: Path) -> list[Path]:
     """The row's seeded runs at the chosen lr (seed 0: the grid's run); every run dir of the row."""
     n = counts[0] if row.full_seeds else counts[1]
-    where = runs / table / "seeds" / row.name
+    where = seed_dir(runs, table, row, chosen.lr)
     if n > 1:
         seeds = ",".join(str(s) for s in range(1, n))
         sweep([*base, *row.overrides, f"optim.lr={chosen.lr:.6g}", f"seed={seeds}"], where, table)
     return [chosen.run_dir, *run_dirs(where)[: n - 1]]
+
+
+def recorded(table: str, row: Row, args: argparse.Namespace, lr0: float) -> tuple[list, list[Path]] | None:
+    """A row this call does not run, when its grid and its seeds at the chosen rate are complete
+    under --runs (run or restored before): its grid's points and the chosen run dirs; else None."""
+    kind, limit = TABLES[table][3], len(args.grid) + lrgrid.EXTENSIONS
+    points = grid_points(args.runs / table / "grid" / row.name, lr0, kind)
+    best = lrgrid.choose(points, kind)
+    ran = {p.factor for p in points if p.status == "completed"}
+    if best is None or not set(args.grid) <= ran or next_factor(points, kind, limit) is not None:
+        return None
+    n = args.seed_counts[0] if row.full_seeds else args.seed_counts[1]
+    dirs = [best.run_dir, *run_dirs(seed_dir(args.runs, table, row, best.lr))[: n - 1]]
+    complete = len(dirs) == n and all(run_status(d) == "completed" for d in dirs)
+    return (points, dirs) if complete else None
 
 
 def text_reference(table: str, extra: list[str], ddp_dirs: list[Path]) -> str:
@@ -351,12 +382,8 @@ def main(argv: list[str]) -> int:
     chosen, roots, notes, missing = {}, {}, {}, 0
     for table in args.tables:
         base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
-        grids = {}
-        for row in selected(table, args.rows):
-            lr0 = default_lr(table, row, extra)
-            grids[row.name] = grid(table, row, base, args.grid, lr0, args.runs)
-            chosen[table, row] = lrgrid.choose(grids[row.name], TABLES[table][3])
-            missing += chosen[table, row] is None
+        grids, done = tune(table, args, base, extra, chosen)
+        missing += sum(best is None for (t, _), best in chosen.items() if t == table)
         path = args.out / f"{table}_lr_grid.md"
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(lrgrid.grid_markdown(table, grids, TABLES[table][3], command="python scripts/cpu_replica.py"))
@@ -364,19 +391,36 @@ def main(argv: list[str]) -> int:
             budget_note(table, found.get(table)),
             f"Learning rates: chosen on a grid, [{path.name}]({path.name}).",
         ]
+        roots[table] = done
         record(args.runs / table, records / table)
         print(f"cpu_replica: {table}'s grids done, {(time.monotonic() - start) / 60:.1f} min so far")
     for (table, row), best in chosen.items():
         if best is not None:
             base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
-            dirs = seeded(table, row, base, best, args.seed_counts, args.runs)
-            roots.setdefault(table, []).extend(dirs)
-            if row.name == "ddp" and TABLES[table][3] == "text":
-                notes[table].append(text_reference(table, extra, dirs))
+            roots[table][row] = seeded(table, row, base, best, args.seed_counts, args.runs)
     for table in args.tables:
         record(args.runs / table, records / table)
+        ddp = next((dirs for row, dirs in roots[table].items() if row.name == "ddp"), None)
+        if ddp and TABLES[table][3] == "text":
+            notes[table].append(text_reference(table, extra, ddp))
     print(f"cpu_replica: seeds done, {(time.monotonic() - start) / 60:.1f} min in all")
+    roots = {table: [d for row in rows(table) for d in by_row.get(row, [])] for table, by_row in roots.items()}
     return finish(args, roots, notes, missing)
+
+
+def tune(table: str, args: argparse.Namespace, base: list[str], extra: list[str], chosen: dict) -> tuple[dict, dict]:
+    """Run the grids of the table's selected rows, their choices into `chosen`; (every row's grid
+    points, the chosen run dirs of each row this call does not run whose runs are complete):
+    every complete row is tabulated, so calls over different rows build one table."""
+    grids, done, ran = {}, {}, selected(table, args.rows)
+    for row in rows(table):
+        lr0 = default_lr(table, row, extra)
+        if row in ran:
+            grids[row.name] = grid(table, row, base, args.grid, lr0, args.runs)
+            chosen[table, row] = lrgrid.choose(grids[row.name], TABLES[table][3])
+        elif (complete := recorded(table, row, args, lr0)) is not None:
+            grids[row.name], done[row] = complete
+    return grids, done
 
 
 def finish(args: argparse.Namespace, roots: dict, notes: dict, missing: int) -> int:

@@ -32,8 +32,8 @@ def _script():
 
 # The best lr factor of each row in the fake, and its accuracy there.
 # DDP's is inside the grid, the dense control's on its lower edge (one extension, to x0.25, finds
-# it), N-SDP forward's beyond its upper edge even after the extension to x4.
-BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (8.0, 0.88)}
+# it), N-SDP forward's beyond its upper edge even after the two extensions, to x4 and x8.
+BEST = {("none", 1.0): (1.0, 0.90), ("none", 0.5): (0.5, 0.86), ("forward", 1.0): (16.0, 0.88)}
 DEFAULT_LR = {"resnet": 2e-3, "llama": 3e-3}  # replica_fmnist's, replica_text's
 
 
@@ -141,22 +141,25 @@ def test_every_row_runs_its_grid_on_seed_0_and_its_seeds_at_the_best_rate(replic
     assert lrs == {
         "ddp": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004"],
         "dense-w0.5": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004", "optim.lr=0.0005"],  # x0.25 last
-        "n_sdp_forward-c0.25": ["optim.lr=0.001", "optim.lr=0.002", "optim.lr=0.004", "optim.lr=0.008"],
+        "n_sdp_forward-c0.25": [f"optim.lr={r:g}" for r in (0.001, 0.002, 0.004, 0.008, 0.016)],
     }
     assert all("seed=0" in j for jobs in grids.values() for j in jobs)
-    seeds = {Path(d).name: jobs for d, jobs in sweeps if "/seeds/" in d}
+    # A row's seeds sit in a folder of their rate.
+    seeds = {Path(d).parent.name: jobs for d, jobs in sweeps if "/seeds/" in d}
+    assert sorted(Path(d).name for d, _ in sweeps if "/seeds/" in d) == ["lr_0.001", "lr_0.002", "lr_0.016"]
     # DDP and the dense control: 3 seeds (seed 0 is the grid's run); C = 0.25: 2.
     lr_of = {name: {o for j in jobs for o in j if o.startswith(("optim.lr=", "seed="))} for name, jobs in seeds.items()}
     assert lr_of == {
         "ddp": {"optim.lr=0.002", "seed=1", "seed=2"},
         "dense-w0.5": {"optim.lr=0.001", "seed=1", "seed=2"},
-        "n_sdp_forward-c0.25": {"optim.lr=0.008", "seed=1"},
+        "n_sdp_forward-c0.25": {"optim.lr=0.016", "seed=1"},
     }
     grid_md = (out / "vision_lr_grid.md").read_text()
-    assert "| row | x0.25 | x0.5 | x1 | x2 | x4 | chosen lr | on the edge |" in grid_md
-    assert "| ddp | not run | 0.8800 | 0.9000 | 0.8800 | not run | 0.002 (x1) | no |" in grid_md
-    assert "| dense-w0.5 | 0.8400 | 0.8600 | 0.8400 | 0.7800 | not run | 0.001 (x0.5) | no |" in grid_md
-    assert "| n_sdp_forward-c0.25 | not run | 0.5600 | 0.7000 | 0.8000 | 0.8600 | 0.008 (x4) | yes |" in grid_md
+    assert "| row | x0.25 | x0.5 | x1 | x2 | x4 | x8 | chosen lr | on the edge |" in grid_md
+    assert "| ddp | not run | 0.8800 | 0.9000 | 0.8800 | not run | not run | 0.002 (x1) | no |" in grid_md
+    assert "| dense-w0.5 | 0.8400 | 0.8600 | 0.8400 | 0.7800 | not run | not run | 0.001 (x0.5) | no |" in grid_md
+    row = "| n_sdp_forward-c0.25 | not run | 0.3800 | 0.5600 | 0.7000 | 0.8000 | 0.8600 | 0.016 (x8) | yes |"
+    assert row in grid_md
 
 
 def test_the_tables_hold_the_chosen_runs_only(replica):
@@ -165,7 +168,7 @@ def test_the_tables_hold_the_chosen_runs_only(replica):
     head = csv[0].split(",")
     rows = {r.split(",")[0]: dict(zip(head, r.split(","), strict=True)) for r in csv[1:]}
     assert sorted(rows) == ["DDP", "DDP (inner width 0.5)", "N-SDP forward"]
-    assert [(rows[v]["runs"], rows[v]["lr"]) for v in sorted(rows)] == [("3", "0.002"), ("3", "0.001"), ("2", "0.008")]
+    assert [(rows[v]["runs"], rows[v]["lr"]) for v in sorted(rows)] == [("3", "0.002"), ("3", "0.001"), ("2", "0.016")]
     # The grid's other points are not in the table: DDP's mean is over its chosen-rate seeds.
     assert float(rows["DDP"]["eval_acc"]) == pytest.approx(0.90 + 0.002)
     assert (
@@ -179,7 +182,7 @@ def test_out_keeps_every_completed_run_and_a_call_with_empty_runs_reruns_none(re
     _, runs, out, sweeps = replica
     ran = sorted({Path(d, p.name).relative_to(runs) for d, _ in sweeps for p in Path(d).iterdir() if p.is_dir()})
     kept = sorted(p.parent.relative_to(out / "runs") for p in (out / "runs").glob("**/summary.json"))
-    assert kept == ran and len(kept) == 1 + 3 + 4 + 4 + 2 + 2 + 1  # the probe, 3 grids, the seeds
+    assert kept == ran and len(kept) == 1 + 3 + 4 + 5 + 2 + 2 + 1  # the probe, 3 grids, the seeds
     recorded = sorted(f.name for f in (out / "runs" / kept[0]).iterdir())
     assert recorded == ["config.yaml", "metrics.jsonl", "summary.json"]
     table = (out / "resnet_tiny_fashion_mnist.md").read_text()
@@ -189,6 +192,41 @@ def test_out_keeps_every_completed_run_and_a_call_with_empty_runs_reruns_none(re
     rc, _, _, replayed = _play(tmp_path, "vision", ("ddp", "dense-w0.5", "n_sdp_forward-c0.25"), [], out=again)
     assert rc == 0 and [jobs for _, jobs in replayed] == [[]] * len(replayed) and replayed
     assert (again / "resnet_tiny_fashion_mnist.md").read_text() == table
+
+
+def test_calls_over_other_rows_build_one_table_and_a_moved_choice_is_seeded_anew(tmp_path, monkeypatch):
+    from sdp.analysis import lrgrid
+
+    def table(out: Path) -> dict:
+        csv = (out / "resnet_tiny_fashion_mnist.csv").read_text().splitlines()
+        head = csv[0].split(",")
+        return {r.split(",")[0]: dict(zip(head, r.split(","), strict=True))["lr"] for r in csv[1:]}
+
+    out = tmp_path / "out"
+    # A first call, under one extension: N-SDP forward (best at x16) is chosen at x4 and seeded.
+    monkeypatch.setattr(lrgrid, "EXTENSIONS", 1)
+    assert _play(tmp_path, "vision", ("n_sdp_forward-c0.25",), [], out=out)[0] == 0
+    assert table(out) == {"N-SDP forward": "0.008"}
+    # Under two, a call over DDP alone: the forward row's grid would extend, so it is not complete
+    # and is left out; DDP's is tabulated.
+    monkeypatch.setattr(lrgrid, "EXTENSIONS", 2)
+    rc, runs, _, sweeps = _play(tmp_path, "vision", ("ddp",), [], out=out)
+    assert rc == 0 and all("/n_sdp_forward" not in d for d, _ in sweeps)
+    assert table(out) == {"DDP": "0.002"}
+    # The forward row again: its grid adds x8, and its seed runs at the new rate, beside the old.
+    rc, _, _, sweeps = _play(tmp_path, "vision", ("n_sdp_forward-c0.25",), [], out=out)
+    rates = [
+        (Path(d).relative_to(runs).as_posix(), [o for j in jobs for o in j if o.startswith("optim.lr=")])
+        for d, jobs in sweeps
+    ]
+    assert rc == 0 and [r for r in rates if r[1]] == [
+        ("vision/grid/n_sdp_forward-c0.25", ["optim.lr=0.016"]),
+        ("vision/seeds/n_sdp_forward-c0.25/lr_0.016", ["optim.lr=0.016"]),
+    ]
+    assert table(out) == {"DDP": "0.002", "N-SDP forward": "0.016"}  # DDP from the earlier call
+    old = runs / "vision/seeds/n_sdp_forward-c0.25/lr_0.008"
+    (kept,) = [p for p in old.iterdir() if p.is_dir()]
+    assert "lr: 0.008" in (kept / "config.yaml").read_text() and (kept / "summary.json").is_file()
 
 
 def test_the_grid_chooses_the_best_point_a_tie_goes_to_x1_and_a_failed_run_never_wins():

@@ -28,7 +28,7 @@ from sdp.paths import read_yaml_mapping
 from sdp.rundir import CONFIG, Summary, read_summary
 
 FACTORS = (0.5, 1.0, 2.0)
-EXTENSIONS = 1  # factors of 2 a grid may add beyond its edge
+EXTENSIONS = 2  # factors of 2 a grid may add beyond its edge
 
 
 @dataclass(frozen=True)
