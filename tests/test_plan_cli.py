@@ -12,7 +12,7 @@ from conftest import job_env, read_run
 
 from sdp.estimate import main as estimate_main
 from sdp.plan import describe_devices, main, nothing_fits, parse_args
-from sdp.planning.report import CITED, CLAIMS, caveat
+from sdp.planning.report import CITED, caveat, sources
 from sdp.planning.space import Structure
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
@@ -161,8 +161,11 @@ def test_the_top_row_runs_as_printed_within_5_percent_of_its_peak(plan, tmp_path
 
 def test_caveats_cite_claims_the_report_has():
     # A regenerated claims report that renames or drops a claim breaks the citations: caught here.
-    report = (Path(__file__).parents[1] / CLAIMS).read_text()
-    assert all(f"## {heading}" in report for heading in CITED.values())
+    root = Path(__file__).parents[1]
+    assert all(f"## {heading}" in (root / report).read_text() for report, heading in CITED.values())
+    assert sources() == (
+        "1, 4a from results/cpu_replica/claims_before.md; 4b, 5 from results/cpu_replica/claims.md"
+    )
     cited = set()
     for masking, coverage in (("forward", 0.25), ("backward", 0.5)):
         for protocol in ("same_iteration", "flop_matched"):

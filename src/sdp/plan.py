@@ -29,7 +29,7 @@ from sdp.outer import is_outer
 from sdp.paths import check_writable
 from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
-from sdp.planning.report import CLAIMS, OBJECTIVES, format_rows, nearest_miss, plot, ranked, row, write_json
+from sdp.planning.report import OBJECTIVES, format_rows, nearest_miss, plot, ranked, row, sources, write_json
 from sdp.planning.search import Composer, Outcome, search, verify
 from sdp.planning.space import CHECKPOINTING, PRECISIONS, SYNC_EVERY, parse_devices, structures
 from sdp.planning.step_time import Cluster, load_cluster, place
@@ -364,7 +364,7 @@ def summary(rows: list[dict], best: list[dict], *, seconds: float, workers: int)
             f"nearest miss: {miss['run']}, {miss['peak_gib']:.2f} GiB on rank {miss['busiest_rank']}'s "
             f"{gib:g} GiB at micro-batch 1 ({-miss['headroom']:.1%} over)"
         )
-    lines.append(f"caveats cite {CLAIMS} by claim number")
+    lines.append(f"caveats cite claims by number: {sources()}")
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
 """What `sdp.plan` shows of a search: ranked rows, their caveats, the misses, the JSON and the plot.
 
-A row's caveat is what results/cpu_replica/claims_before.md, our 3-seed replica report of
-both tables, supports about its kind of run, with the claim it comes from; nothing is said
-where the report says nothing (DDP and FSDP train the same model; uneven capacities have no
-replica table). The converged report (claims.md) covers only some of the vision rows so far;
-the caveats move to it once it has both tables.
+A row's caveat is what our replica reports support about its kind of run, with the claim it
+comes from; nothing is said where they say nothing (DDP and FSDP train the same model; uneven
+capacities have no replica table). Claims 4b and 5 come from the converged report (claims.md:
+tuned rates, 5 seeds, both tables); claims 1 and 4a from the earlier 3-seed report
+(claims_before.md: not converged) until the converged tables have their flop_matched and
+C < 0.3 rows.
 """
 
 from __future__ import annotations
@@ -16,21 +17,32 @@ from sdp.planning.fit import GIB
 from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
 
-CLAIMS = "results/cpu_replica/claims_before.md"
+CLAIMS = "results/cpu_replica/claims.md"
+CLAIMS_BEFORE = "results/cpu_replica/claims_before.md"
 LOWCOMM = "docs/lowcomm.md"  # the low-communication comparison
 MIB = 2**20
-# The claims a caveat cites, by number, as the report's headings name them.
+# The claims a caveat cites, by number: the report each comes from and its heading there.
 CITED = {
-    "1": "Claim 1: Under FLOP-matching, SDP maintains or improves quality",
-    "4a": "Claim 4a: Quality degrades below C ≈ 0.3.",
-    "4b": "Claim 4b: Quality stays near DDP for C ≳ 0.3.",
-    "5": "Claim 5: Backward masking (unbiased gradients) tracks DDP more closely",
+    "1": (CLAIMS_BEFORE, "Claim 1: Under FLOP-matching, SDP maintains or improves quality"),
+    "4a": (CLAIMS_BEFORE, "Claim 4a: Quality degrades below C ≈ 0.3."),
+    "4b": (CLAIMS, "Claim 4b: Quality stays near DDP for C ≳ 0.3."),
+    "5": (CLAIMS, "Claim 5: Backward masking (unbiased gradients) tracks DDP more closely"),
 }
+
+
+def sources() -> str:
+    """The line that says which report each cited claim number comes from."""
+    by_report: dict[str, list[str]] = {}
+    for number, (report, _) in CITED.items():
+        by_report.setdefault(report, []).append(number)
+    return "; ".join(f"{', '.join(numbers)} from {report}" for report, numbers in by_report.items())
+
+
 OBJECTIVES = ("speed", "memory")
 
 
 def caveat(s: Structure, *, protocol: str) -> str:
-    """The replica report's word on a structure's quality (claim numbers of CLAIMS), and the
+    """The replica reports' word on a structure's quality (claim numbers of CITED), and the
     low-communication table's on an outer loop (LOWCOMM)."""
     outer = "" if s.sync_every is None else f"outer loop: trailed DDP at equal steps ({LOWCOMM})"
     if s.masking == "none":
@@ -42,7 +54,7 @@ def caveat(s: Structure, *, protocol: str) -> str:
     elif s.masking == "forward":
         notes.append("trails DDP at its step count (4b, 5)")
     else:
-        notes.append("trailed DDP on LLaMA, not on ResNet (4b)")
+        notes.append("trails DDP at its step count, less than forward (4b, 5)")
     return "; ".join([*notes, outer] if outer else notes)
 
 

@@ -12,7 +12,7 @@ without): `Structure.sync_every`, None for the plain run.
 
 SDP's coverages are r / K for r holders per unit. By default the planner weighs those on the
 grid the paper and our replica tables measure (0.75, 0.5, 0.25, and 0.125 below it), the
-quality caveats of results/cpu_replica/claims_before.md speak of; `every=True` weighs every r / K.
+quality caveats of the replica reports (planning/report.py) speak of; `every=True` weighs every r / K.
 
 Devices are given in GiB per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`.
 """
