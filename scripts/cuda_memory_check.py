@@ -8,7 +8,8 @@ the most units in a K-worker job: the run's strategy, optimizer and
 move nothing, so the step time is compute only). It reads the CUDA
 allocator's peaks over a steady-state step, the live-tensor tracker's peak on
 the same step, and tokens/s over `--steps` more steps; then it runs the
-GPU-free estimator (`sdp.estimate`) on the same config and reports the ratio.
+GPU-free estimator (`sdp.estimate`) on the same config and reports the ratio, in total and per
+category (`sdp.planning.against`, the table `sdp.estimate --against RUN_DIR` prints for a run).
 Results go to DIR/cuda_memory_check.json and .md after every variant, so a
 run cut short keeps what it measured.
 """
@@ -31,6 +32,7 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import peak_flops
 from sdp.optim import build_optimizer
+from sdp.planning.against import compare, format_against
 from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
@@ -143,6 +145,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def by_category(rows: list[dict]) -> str:
+    """Each estimated row's figures per category against its measurement: the categories are the
+    live-tensor tracker's, the total the allocator's on CUDA (the tracker's on CPU)."""
+    parts = []
+    for r in rows:
+        if "error" not in r and r.get("estimate"):
+            m = r["measured"]
+            against = compare(r["rank"], r["estimate"], m["tracked_peak"], m.get("cuda_max_allocated"))
+            parts.append(f"### {r['model']}, {r['variant']}\n\n```\n{format_against([against])}\n```\n")
+    return "\n".join(parts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["llama_134m"])
@@ -183,8 +197,9 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row)[:600], flush=True)
         (args.out / "cuda_memory_check.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-        (args.out / "cuda_memory_check.md").write_text(f"{info}\n\n" + table(rows))
+        (args.out / "cuda_memory_check.md").write_text(f"{info}\n\n" + table(rows) + "\n" + by_category(rows))
     print(table(rows))
+    print(by_category(rows))
     return 0
 
 

@@ -36,8 +36,10 @@ def _examples(text: str, command: str) -> list[list[str]]:
 
 def test_the_estimators_examples_compose_and_pass_its_checks():
     examples = _examples(sdp.estimate.USAGE.text(), "sdp.estimate")
-    assert len(examples) == 2
-    for argv in examples:
+    assert len(examples) == 3
+    against = [argv for argv in examples if argv[0] == "--against"]
+    assert [sdp.estimate.parse_against(argv)[1:] for argv in against] == [("all", None)]
+    for argv in [argv for argv in examples if argv not in against]:
         args = sdp.estimate.parse_args(argv)
         load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
 

@@ -27,7 +27,8 @@ OUTER_KEYS = ("outer_backup_bytes", "outer_momentum_bytes")
 
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory):
-    """One 2-process CPU run per variant: 3 steps, step 2 profiled."""
+    """One 2-process CPU run per variant: 3 steps, step 2 profiled (summary.json, whose run_dir
+    names the run's folder)."""
     runs = {}
     for name, masking in VARIANTS.items():
         tmp = tmp_path_factory.mktemp(name)
@@ -255,3 +256,93 @@ def test_the_estimator_shows_every_rank_of_a_capacity_list_and_names_the_busiest
     assert printed[-3].split()[:2] == ["2", "0.5"]  # the table: rank, capacity, ...
     assert main([*TINY, "masking=backward", "masking.capacity=[0.5,1,1,0.5]", "world_size=4"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "busiest: rank 1 of 4 (it holds the most unit parameters)"
+
+
+# ------------------------------------------------- sdp.estimate --against RUN_DIR
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", ["ddp", "backward-diloco"])
+def test_against_a_finished_run_sets_each_ranks_estimate_beside_its_measurement(
+    real_runs, estimates, variant, tmp_path, capsys
+):
+    import json
+    from pathlib import Path
+
+    run_dir, out = Path(real_runs[variant]["run_dir"]), tmp_path / "against.json"
+    assert main(["--against", str(run_dir), f"out={out}"]) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["total_by"] for r in ranks} == {"live-tensor tracker"}
+    for r in ranks:
+        measured = real_runs[variant]["memory_per_rank"][r["rank"]]["peak_breakdown"]
+        figures = {f["category"]: f for f in r["figures"]}
+        assert list(figures) == [
+            "weights",
+            "grads",
+            "optimizer",
+            "activations",
+            "temporaries",
+            "communicators",
+            "total",
+        ]
+        assert {k: f["measured"] for k, f in figures.items() if k != "communicators"} == measured
+        # The run's own config re-estimated: what the estimator gives for these overrides.
+        estimated = estimates[variant][r["rank"]]["memory"]["peak_breakdown"]
+        assert {k: f["estimated"] for k, f in figures.items() if k != "communicators"} == estimated
+        # The state the step holds is exact; the step's own tensors within the estimator's 10%.
+        assert all(figures[k]["ratio"] == 1.0 for k in ("weights", "optimizer"))
+        assert figures["total"]["ratio"] == pytest.approx(1.0, rel=0.10)
+        assert figures["communicators"]["measured"] is None and figures["communicators"]["estimated"] > 0
+    if variant == "backward-diloco":  # capacities [1, 0.5]: rank 1's estimate is its own, smaller
+        assert ranks[1]["figures"][2]["estimated"] < ranks[0]["figures"][2]["estimated"]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "rank 0: estimate against measured (total measured by the live-tensor tracker)"
+    assert printed[1].split() == ["category", "estimate", "GiB", "measured", "GiB", "estimate/measured"]
+    assert printed[7].split()[:3] == ["communicators", f"{ranks[0]['figures'][5]['estimated'] / 2**30:.6f}", "not"]
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["--against"], "error: --against=None: needs a run dir: --against RUN_DIR"),
+        (["--against", "{tmp}/nothing"], "error: --against='{tmp}/nothing': has no config.yaml: not a run dir"),
+        (
+            ["--against", "{tmp}/run", "masking=forward"],
+            "error: masking='forward': is not taken with --against: the run's own config is estimated "
+            "(allowed: rank=, out=)",
+        ),
+        (
+            ["--against", "{tmp}/run"],
+            "error: --against='{tmp}/run': is not a completed run (no summary.json): nothing was measured",
+        ),
+    ],
+)
+def test_against_refuses_what_is_not_a_finished_run_in_one_line(argv, line, tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [line.format(tmp=tmp_path)]
+
+
+@pytest.mark.dist
+def test_against_names_the_ranks_a_run_has(real_runs, capsys):
+    assert main(["--against", real_runs["ddp"]["run_dir"], "rank=2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank='2': allowed with --against: all, or an integer in [0, 1]"
+    ]
+
+
+def test_against_on_cuda_measures_the_total_by_the_allocator():
+    from sdp.planning.against import ALLOCATOR, compare, format_against
+
+    peak = {"weights": 100, "grads": 0, "optimizer": 200, "activations": 300, "temporaries": 400, "total": 1000}
+    est = {"memory": {"peak_breakdown": {**peak, "activations": 330, "total": 1030}, "peak_bytes": 1030,
+                      "comm_group_bytes": 2**30}}  # fmt: skip
+    row = compare(3, est, peak, allocator_peak=1250)
+    assert row.total_by == ALLOCATOR and row.figure("total").measured == 1250
+    assert row.figure("total").ratio == 1030 / 1250 and row.figure("activations").ratio == 1.1
+    assert row.figure("grads").ratio is None  # nothing measured: no ratio
+    text = format_against([row]).splitlines()
+    assert text[0] == f"rank 3: estimate against measured (total measured by the {ALLOCATOR})"
+    assert text[7].split() == ["communicators", "1.000000", "not", "seen"]
+    assert text[8].split() == ["total", "0.000001", "0.000001", "0.8240"]

@@ -2,6 +2,7 @@
 
     python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all] [out=FILE.json]
                            [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]
+    python -m sdp.estimate --against RUN_DIR [rank=R|all] [out=FILE.json]
 
 The command: its own arguments, the config, one estimate per rank asked for (`sdp.planning.estimator`,
 which says how the trace works), the step on a cluster (`sdp.planning.step_time`), and the JSON file.
@@ -10,6 +11,10 @@ which says how the trace works), the step on a cluster (`sdp.planning.step_time`
 `rank=all` estimates every rank in turn. `cluster=NAME` (conf/cluster/NAME.yaml; `nodes=N` spreads
 the ranks over N nodes, `cluster.KEY=VALUE` overrides a field, e.g. a measured efficiency) also
 models the step on that machine, serial and overlapped, for DDP and the run.
+
+`--against RUN_DIR` re-estimates a finished run's own config for each rank it measured and
+prints, per category and in total, the estimate, the measurement and their ratio
+(`sdp.planning.against`, which says what is measured on CPU and on CUDA).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
 from sdp.outer import is_outer
 from sdp.paths import check_output_file
+from sdp.planning.against import compare, finished_run, format_against, measured_ranks
 from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
 from sdp.planning.step_time import Cluster, format_step_times, load_cluster, place, step_times
 from sdp.run.config import RunConfig, load_config
@@ -35,7 +41,8 @@ MAX_RANKS = 65536  # more than any cluster the step-time model describes
 
 USAGE = Usage(
     usage="python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all]\n"
-    "                          [out=FILE.json] [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]",
+    "                          [out=FILE.json] [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]\n"
+    "   or: python -m sdp.estimate --against RUN_DIR [rank=R|all] [out=FILE.json]",
     about="The per-rank memory (weights, gradients, optimizer state, activations, communicators) of the run\n"
     "these overrides compose, from its own step traced without a GPU; with cluster=, its step time there.",
     keys=[
@@ -45,6 +52,8 @@ USAGE = Usage(
         ("cluster=NAME", "also model the step on conf/cluster/NAME.yaml: h100_nvlink, h100_ib, h100_eth10g, ..."),
         ("nodes=N", "with cluster=: spread the ranks over N nodes"),
         ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster, e.g. a measured efficiency"),
+        ("--against RUN_DIR", "a finished run: its config re-estimated for each rank (rank=all, the default, or R),"),
+        ("", "per category against what the run measured, with the ratio"),
     ],
     more="Every other key and group is the run's, as sdp.train takes it: python -m sdp.train --help.\n"
     "Memory figures are GiB (2**30 bytes); docs/memory.md says how far to trust them.",
@@ -52,6 +61,7 @@ USAGE = Usage(
         "python -m sdp.estimate experiment=llama_1b_fineweb world_size=8",
         "python -m sdp.estimate experiment=llama_1b_fineweb variant=n_sdp_forward masking.coverage=0.5 "
         "world_size=8 rank=all cluster=h100_nvlink",
+        "python -m sdp.estimate --against outputs/llama_tiny-synthetic_text-none",
     ],
 )
 
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help(argv):
         print(USAGE.text())
         return 0
+    if "--against" in argv or any(a.startswith("--against=") for a in argv):
+        return against_main(argv)
     try:
         args = parse_args(argv)
         cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
@@ -187,6 +199,63 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(results if args.rank == "all" else results[0], indent=1))
         except OSError as err:  # a full disk: the estimate is printed above all the same
             print(f"error: {write_error(err, args.out)}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def parse_against(argv: list[str]) -> tuple[Path, str, Path | None]:
+    """--against RUN_DIR (or --against=RUN_DIR), rank= and out=; anything else is refused: the
+    run's own config is what is estimated."""
+    run_dir, own, rest = None, {"rank": "all", "out": None}, list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--against":
+            if not rest:
+                raise ConfigError("--against", None, "needs a run dir: --against RUN_DIR")
+            run_dir = rest.pop(0)
+        elif arg.startswith("--against="):
+            run_dir = arg.partition("=")[2]
+        elif arg.partition("=")[0] in own and "=" in arg:
+            own[arg.partition("=")[0]] = arg.partition("=")[2]
+        else:
+            raise ConfigError(
+                arg.partition("=")[0],
+                arg.partition("=")[2] or None,
+                "is not taken with --against: the run's own config is estimated (allowed: rank=, out=)",
+            )
+    if not run_dir:
+        raise ConfigError("--against", run_dir, "needs a run dir: --against RUN_DIR")
+    return Path(run_dir), own["rank"], Path(own["out"]) if own["out"] else None
+
+
+def against_main(argv: list[str]) -> int:
+    """`--against RUN_DIR`: the run's config re-estimated for each rank asked for, against what
+    the run measured; the table printed, and written as JSON to out=."""
+    try:
+        run_dir, wanted, out = parse_against(argv)
+        cfg, measured = finished_run(run_dir)
+        ranks = measured_ranks(measured, wanted)
+        if out:
+            check_output_file("out", out)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows = []
+    try:
+        for rank in ranks:
+            est = estimate(cfg, world_size=len(measured), rank=rank)
+            m = measured[rank]
+            rows.append(compare(rank, est, m["peak_breakdown"], m.get("cuda_max_allocated_bytes")))
+            print(format_against(rows[-1:]), flush=True)
+    except EstimateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if out:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"run_dir": str(run_dir), "ranks": [r.as_dict() for r in rows]}, indent=1))
+        except OSError as err:
+            print(f"error: {write_error(err, out)}", file=sys.stderr)
             return 2
     return 0
 

@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from sdp import rundir
 from sdp.errors import ConfigError
 from sdp.launching.cli import wants_help
-from sdp.paths import DamagedFile, describe, read_yaml_mapping
-from sdp.run.config import RunConfig, to_typed
+from sdp.paths import DamagedFile, describe
+from sdp.run.config import run_config
 from sdp.rundir import write_error
 from sdp.rundir.hf import EXPORT_DIR, export_run_dir, exported_files
 
@@ -39,17 +37,6 @@ def export_run(run_dir: Path) -> list[str]:
     except (OSError, RuntimeError, ValueError) as err:  # a full disk; a model.pt of another shape
         raise DamagedFile(run_dir / EXPORT_DIR, f"not written: {write_error(err, run_dir / EXPORT_DIR)}") from None
     return exported_files(run_dir)
-
-
-def run_config(path: Path) -> RunConfig:
-    """A run dir's config.yaml, typed; DamagedFile when it is not a config this version reads."""
-    raw = read_yaml_mapping(path)
-    try:
-        return to_typed(OmegaConf.create(raw))
-    except ConfigError as err:
-        raise DamagedFile(path, f"holds a config this version refuses ({err})") from None
-    except (AttributeError, KeyError, TypeError, ValueError, OmegaConfBaseException) as err:
-        raise DamagedFile(path, f"is not a run's config ({describe(err)})") from None
 
 
 USAGE = """usage: python -m sdp.export RUN_DIR [RUN_DIR ...]   (or sdp-export)

@@ -42,7 +42,7 @@ from sdp.models import (
 from sdp.optim import OptimConfig, validate_optim
 from sdp.outer import OuterConfig, validate_outer, validate_outer_with
 from sdp.parallel import ParallelConfig, validate_parallel
-from sdp.paths import CONF_DIR
+from sdp.paths import CONF_DIR, DamagedFile, describe, read_yaml_mapping
 from sdp.redact import redact
 from sdp.run.trainer_config import TrainerConfig, validate_trainer
 from sdp.subnet import (
@@ -492,4 +492,18 @@ def load_config(overrides: list[str], *, world_size: int, offline: bool, check_d
     """Compose, type and validate a run's config; raises ConfigError on any bad input."""
     typed = typed_config(overrides)
     validate(typed, world_size=world_size, offline=offline, check_data=check_data)
+    return typed
+
+
+def run_config(path: Path) -> RunConfig:
+    """A run dir's config.yaml, typed (its record is the file); DamagedFile when it is not a
+    config this version reads."""
+    raw = read_yaml_mapping(path)
+    try:
+        typed = to_typed(OmegaConf.create(raw))
+    except ConfigError as err:
+        raise DamagedFile(path, f"holds a config this version refuses ({err})") from None
+    except (AttributeError, KeyError, TypeError, ValueError, OmegaConfBaseException) as err:
+        raise DamagedFile(path, f"is not a run's config ({describe(err)})") from None
+    typed.record = raw
     return typed
