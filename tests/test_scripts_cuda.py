@@ -54,3 +54,21 @@ def test_the_gpu_speed_check_rehearses_on_the_cpu(tmp_path):
     ]
     assert all(r["measured"]["tokens_per_s"] > 0 and r["measured"]["mfu"] is None for r in rows)
     assert "| llama_tiny | DDP | yes | chunked |" in (tmp_path / "gpu_speed_cpu.md").read_text()
+
+
+def test_the_cuda_memory_check_rehearses_on_the_cpu_with_the_estimate_per_category(tmp_path, monkeypatch):
+    # On CPU it plays the busiest rank of K = 2 with real tensors and a fake process group; its
+    # .md then holds the table sdp.estimate --against prints, the tracker's total standing in.
+    path = Path(__file__).parents[1] / "scripts" / "cuda_memory_check.py"
+    spec = importlib.util.spec_from_file_location("cuda_memory_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--models", "llama_tiny", "--variants", "DDP", "--world-size", "2", "--steps", "1", "--device", "cpu"]
+    extra = ["--extra", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=8"]
+    monkeypatch.setattr("sys.argv", ["cuda_memory_check.py", *argv, *extra, "--out", str(tmp_path)])
+    assert script.main() == 0
+    text = (tmp_path / "cuda_memory_check.md").read_text().splitlines()
+    start = text.index("rank 0: estimate against measured (total measured by the live-tensor tracker)")
+    rows = {line.split()[0]: line.split()[1:] for line in text[start + 2 : start + 9]}
+    assert list(rows) == ["weights", "gradients", "optimizer", "activations", "temporaries", "communicators", "total"]
+    assert rows["weights"][2] == rows["optimizer"][3] == "1.0000" and rows["communicators"][1:] == ["not", "seen"]
