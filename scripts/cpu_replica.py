@@ -18,6 +18,9 @@ Each table is 4 CPU processes (K = 4 workers) per run, over the paper's rows:
   2 KV groups per layer: 4 workers cannot each hold a quarter of them under N-SDP), with the
   dense controls the model admits.
 
+A row whose config the entrypoint refuses at K = 4 (replica_text's 2 blocks leave a worker
+without one under B-SDP at C = 0.25 and 0.5) runs nothing: the table's header names it and why.
+
 Every row is made the same way:
 
 1. Budget (once per table, when OUT/budgets.json has none; `--budgets-only` stops after it):
@@ -65,9 +68,10 @@ from sdp.analysis.reference import ngram_losses, reference_words
 from sdp.analysis.tables import collect
 from sdp.data.api import prepare_data
 from sdp.data.local_text import cache_dir_for, list_files
+from sdp.errors import ConfigError
 from sdp.launching.sweep import run_sweep
 from sdp.metrics.convergence import gate_metric, plateau, settled_step
-from sdp.run.config import typed_config
+from sdp.run.config import load_config, typed_config
 from sdp.rundir import CONFIG, SUMMARY, evaluations, read_summary, run_status
 
 NPROC = 4
@@ -266,11 +270,13 @@ def budget_note(table: str, found: dict | None) -> str:
     )
 
 
-def plan_line(table: str, found: dict | None, args: argparse.Namespace) -> str:
-    """The table's runs and their projected time, at its probe's DDP step time (SDP rows differ)."""
+def plan_line(table: str, found: dict | None, args: argparse.Namespace, extra: list[str]) -> str:
+    """The table's runs and their projected time, at its probe's DDP step time (SDP rows differ);
+    the rows its model does not admit are left out."""
     steps = (found or {}).get("budget") or TABLES[table][1]
     runs = steps_run = 0
-    chosen = selected(table, args.rows)
+    base = [*table_overrides(table, steps), *extra]
+    chosen = [row for row in selected(table, args.rows) if refusal(base, row) is None]
     for row in chosen:
         n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
         runs += n
@@ -377,7 +383,7 @@ def main(argv: list[str]) -> int:
         (args.out / BUDGETS).write_text(json.dumps(found, indent=2) + "\n")
     if args.budgets_only or args.plan:
         for table in args.tables if args.plan else ():
-            print(plan_line(table, found.get(table), args))
+            print(plan_line(table, found.get(table), args, extra))
         return 0
     chosen, roots, notes, missing = {}, {}, {}, 0
     for table in args.tables:
@@ -390,6 +396,7 @@ def main(argv: list[str]) -> int:
         notes[table] = [
             budget_note(table, found.get(table)),
             f"Learning rates: chosen on a grid, [{path.name}]({path.name}).",
+            *filter(None, [refusals_note(table, base)]),
         ]
         roots[table] = done
         record(args.runs / table, records / table)
@@ -408,6 +415,27 @@ def main(argv: list[str]) -> int:
     return finish(args, roots, notes, missing)
 
 
+def refusal(base: list[str], row: Row) -> str | None:
+    """Why the entrypoint refuses the row's config at K = NPROC (its error line), or None."""
+    try:
+        load_config([*base, *row.overrides], world_size=NPROC, offline=True, check_data=False)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def refusals_note(table: str, base: list[str]) -> str | None:
+    """The header's line on the rows this table's model does not admit at K = NPROC."""
+    by_reason: dict[str, list[str]] = {}
+    for row in rows(table):
+        if (why := refusal(base, row)) is not None:
+            by_reason.setdefault(why, []).append(row.name)
+    if not by_reason:
+        return None
+    listed = "; ".join(f"{', '.join(names)} (`{why}`)" for why, names in by_reason.items())
+    return f"Rows this model does not admit at K = {NPROC}, so not run: {listed}."
+
+
 def tune(table: str, args: argparse.Namespace, base: list[str], extra: list[str], chosen: dict) -> tuple[dict, dict]:
     """Run the grids of the table's selected rows, their choices into `chosen`; (every row's grid
     points, the chosen run dirs of each row this call does not run whose runs are complete):
@@ -415,6 +443,8 @@ def tune(table: str, args: argparse.Namespace, base: list[str], extra: list[str]
     grids, done, ran = {}, {}, selected(table, args.rows)
     for row in rows(table):
         lr0 = default_lr(table, row, extra)
+        if refusal(base, row) is not None:
+            continue
         if row in ran:
             grids[row.name] = grid(table, row, base, args.grid, lr0, args.runs)
             chosen[table, row] = lrgrid.choose(grids[row.name], TABLES[table][3])

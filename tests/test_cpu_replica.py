@@ -262,13 +262,24 @@ def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasu
     for i in range(8):
         (corpus / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n\n" for j in range(30)))
     extra = [f"dataset.path={corpus}", "dataset.eval_every=2", "dataset.vocab_size=300", "dataset.seq_len=32"]
-    rc, _, out, sweeps = _play(tmp_path, "language", ("ddp",), extra)
+    rc, _, out, sweeps = _play(tmp_path, "language", ("ddp", "b_sdp_*-c0.5"), extra)
     assert rc == 0
+    # replica_text's 2 blocks leave a worker without one under B-SDP at C = 0.5: not run, and said.
+    assert [Path(d).name for d, _ in sweeps] == ["probe", "ddp", "lr_0.003"]
     # The fake's probe logs no eval loss: no budget, and the runs take the default 1080 steps.
     assert json.loads((out / "budgets.json").read_text())["language"]["budget"] is None
     assert all("trainer.max_steps=1080" in job for _, jobs in sweeps[1:] for job in jobs)
     header = (out / "llama_tiny_local_text.md").read_text()
     assert "Step budget: **not measured** (the probe did not settle); the runs take the default 1080" in header
+    refused = (
+        "Rows this model does not admit at K = 4, so not run: b_sdp_backward-c0.5, b_sdp_forward-c0.5, "
+        "b_sdp_backward-c0.5-flop_matched, b_sdp_forward-c0.5-flop_matched (`masking.coverage=0.5: leaves "
+        "worker 2 of 4 no block (the model has 2, each held by 2 of 4 workers); raise the coverage, use fewer "
+        "workers or masking.granularity=neuron`); b_sdp_forward-c0.25 (`masking.coverage=0.25: leaves worker "
+        "2 of 4 no block (the model has 2, each held by 1 of 4 workers); raise the coverage, use fewer workers "
+        "or masking.granularity=neuron`)."
+    )
+    assert refused in header
     # DDP's loss over its 3 seeds: 1 - (0.90, 0.902, 0.904) -> 0.098.
     line = next(line for line in header.splitlines() if line.startswith("Reference losses on the eval split"))
     assert "nats/token. DDP's eval loss 0.098 is" in line and "nats below the bigram's" in line
