@@ -45,8 +45,9 @@ be spread over machines and sessions too, and a table can be rebuilt from what i
 before any is seeded; the tables and claims.md hold every row whose grid and seeds are complete,
 run by this call or an earlier one. A row's seeded runs sit in a folder of their rate
 (seeds/<row>/lr_<rate>), so a grid extended later, whose choice moves, seeds its new rate anew.
-`--plan` prints each table's runs (before any grid extension) and their projected time at its
-probe's DDP step time, and runs nothing.
+`--plan` prints each table's runs, how many are left (by --runs and OUT/runs; a grid's later
+extensions are counted one at a time), and their projected time at its probe's DDP step time,
+and runs nothing.
 """
 
 from __future__ import annotations
@@ -271,23 +272,51 @@ def budget_note(table: str, found: dict | None) -> str:
 
 
 def plan_line(table: str, found: dict | None, args: argparse.Namespace, extra: list[str]) -> str:
-    """The table's runs and their projected time, at its probe's DDP step time (SDP rows differ);
-    the rows its model does not admit are left out."""
+    """The table's runs, those not yet completed (under --runs or recorded in OUT/runs) and their
+    projected time, at its probe's DDP step time (SDP rows differ); the rows its model does not
+    admit are left out."""
     steps = (found or {}).get("budget") or TABLES[table][1]
-    runs = steps_run = 0
+    runs = left = steps_left = 0
     base = [*table_overrides(table, steps), *extra]
     chosen = [row for row in selected(table, args.rows) if refusal(base, row) is None]
     for row in chosen:
         n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
-        runs += n
-        steps_run += n * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
+        todo = runs_left(table, row, args, default_lr(table, row, extra))
+        runs, left = runs + n, left + todo
+        steps_left += todo * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
     step_s = (found or {}).get("step_time_s")
     if step_s:
-        hours = f"{(steps_run * step_s + runs * RUN_OVERHEAD_S) / 3600:.1f} h at DDP's {step_s:.3f} s a step"
+        hours = f"{(steps_left * step_s + left * RUN_OVERHEAD_S) / 3600:.1f} h at DDP's {step_s:.3f} s a step"
         hours += f" and {RUN_OVERHEAD_S} s a run"
     else:
         hours = "no step time yet"
-    return f"cpu_replica: {table}: {len(chosen)} rows, {runs} runs of {steps} steps, {steps_run} steps: {hours}"
+    return (
+        f"cpu_replica: {table}: {len(chosen)} rows, {runs} runs of {steps} steps; {left} runs left, "
+        f"{steps_left} steps: {hours}"
+    )
+
+
+def runs_left(table: str, row: Row, args: argparse.Namespace, lr0: float) -> int:
+    """The runs the row still needs, by what --runs and OUT/runs hold: its grid's missing points
+    (and one extension where its best point is on the edge), then its seeds at the chosen rate."""
+    kind, limit = TABLES[table][3], len(args.grid) + lrgrid.EXTENSIONS
+    seeds = (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
+    points = {}
+    for root in (args.out / RUNS, args.runs):  # a run under --runs wins over its record
+        points |= {p.run_dir.relative_to(root): p for p in grid_points(root / table / "grid" / row.name, lr0, kind)}
+    done = [p for p in points.values() if p.status == "completed"]
+    missing = len(set(args.grid) - {p.factor for p in done})
+    if missing:
+        return missing + seeds
+    extend = int(next_factor(done, kind, limit) is not None)
+    best = lrgrid.choose(done, kind)
+    if extend or best is None:
+        return extend + seeds
+    seeded = set()
+    for root in (args.out / RUNS, args.runs):
+        where = seed_dir(root, table, row, best.lr)
+        seeded |= {d.relative_to(root) for d in run_dirs(where) if run_status(d) == "completed"}
+    return max(0, seeds - len(seeded))
 
 
 # ---------------------------------------------------------------- 2. the grid, 3. the seeds

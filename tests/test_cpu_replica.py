@@ -285,15 +285,21 @@ def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasu
     assert "nats/token. DDP's eval loss 0.098 is" in line and "nats below the bigram's" in line
 
 
-def test_the_plan_projects_the_runs_from_the_probes_step_time_and_runs_nothing(replica, capsys):
+def test_the_plan_projects_the_runs_left_from_the_probes_step_time_and_runs_nothing(replica, capsys, tmp_path):
     _, runs, out, _ = replica
+    # Another session's copy: its records and runs, less DDP's seed 2 (gone from both).
+    runs, out = shutil.copytree(runs, tmp_path / "runs"), shutil.copytree(out, tmp_path / "out")
+    for root in (runs, out / "runs"):
+        (gone,) = (root / "vision/seeds/ddp/lr_0.002").glob("*seed_2")
+        shutil.rmtree(gone)
     module = _script()
     module.run_sweep = lambda argv: pytest.fail(f"--plan ran a sweep: {argv}")
     args = ["--plan", "--tables", "vision", "--runs", str(runs), "--out", str(out), "--seed-counts", "3", "2"]
-    args += ["--rows", "ddp", "dense-w0.5", "n_sdp_forward-c0.2*"]  # fnmatch patterns
+    args += ["--rows", "ddp", "dense-w0.5", "n_sdp_forward-c0.2*", "b_sdp_backward-c0.5"]  # fnmatch patterns
     assert module.main(args) == 0
-    # 3 grid points + 2 more seeds for DDP and the control, + 1 for C = 0.25: 14 runs of 900 steps,
-    # (12600 x 0.5 s + 14 x 20 s) / 3600 s = 1.83 h.
+    # 3 grid points + 2 more seeds for DDP, the control and B-SDP, + 1 for C = 0.25: 19 runs of 900
+    # steps. Left: DDP's seed 2 and all 5 of B-SDP's: (5400 x 0.5 s + 6 x 20 s) / 3600 s = 0.78 h.
     assert capsys.readouterr().out == (
-        "cpu_replica: vision: 3 rows, 14 runs of 900 steps, 12600 steps: 1.8 h at DDP's 0.500 s a step and 20 s a run\n"
+        "cpu_replica: vision: 4 rows, 19 runs of 900 steps; 6 runs left, 5400 steps: 0.8 h at DDP's 0.500 s "
+        "a step and 20 s a run\n"
     )
