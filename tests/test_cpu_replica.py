@@ -303,3 +303,12 @@ def test_the_plan_projects_the_runs_left_from_the_probes_step_time_and_runs_noth
         "cpu_replica: vision: 4 rows, 19 runs of 900 steps; 6 runs left, 5400 steps: 0.8 h at DDP's 0.500 s "
         "a step and 20 s a run\n"
     )
+
+
+def test_the_serial_workers_floor_times_a_workers_step_of_each_table():
+    spec = importlib.util.spec_from_file_location("serial_workers_floor", SCRIPTS / "serial_workers_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Every table's experiment, as make tables runs it.
+    assert module.TABLES == {table: spec[0] for table, spec in _script().TABLES.items()}
+    assert all(module.worker_step_s(experiment, steps=1) > 0 for experiment in module.TABLES.values())
