@@ -72,7 +72,7 @@ from sdp.data.local_text import cache_dir_for, list_files
 from sdp.errors import ConfigError
 from sdp.launching.sweep import run_sweep
 from sdp.metrics.convergence import gate_metric, plateau, settled_step
-from sdp.run.config import load_config, typed_config
+from sdp.run.config import typed_config, validate
 from sdp.rundir import CONFIG, SUMMARY, evaluations, read_summary, run_status
 
 NPROC = 4
@@ -281,7 +281,7 @@ def plan_line(table: str, found: dict | None, args: argparse.Namespace, extra: l
     chosen = [row for row in selected(table, args.rows) if refusal(base, row) is None]
     for row in chosen:
         n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
-        todo = runs_left(table, row, args, default_lr(table, row, extra))
+        todo = runs_left(table, row, args, default_lr(base, row))
         runs, left = runs + n, left + todo
         steps_left += todo * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
     step_s = (found or {}).get("step_time_s")
@@ -322,8 +322,34 @@ def runs_left(table: str, row: Row, args: argparse.Namespace, lr0: float) -> int
 # ---------------------------------------------------------------- 2. the grid, 3. the seeds
 
 
-def default_lr(table: str, row: Row, extra: list[str]) -> float:
-    return typed_config([*table_overrides(table), *extra, *row.overrides]).optim.lr
+# (overrides, row) -> (the row's default learning rate, why the entrypoint refuses it at K = NPROC or
+# None): composing a config costs a few tenths of a second, and a call asks for every row's.
+_COMPOSED: dict[tuple, tuple[float, str | None]] = {}
+
+
+def composed(base: list[str], row: Row) -> tuple[float, str | None]:
+    """The row's default learning rate and its refusal at K = NPROC (its error line; None when
+    the entrypoint admits it), from one composition of its config."""
+    key = (tuple(base), row)
+    if key not in _COMPOSED:
+        lr, why = math.nan, None
+        try:
+            cfg = typed_config([*base, *row.overrides])
+            lr = cfg.optim.lr
+            validate(cfg, world_size=NPROC, offline=True, check_data=False)
+        except ConfigError as err:
+            why = str(err)
+        _COMPOSED[key] = (lr, why)
+    return _COMPOSED[key]
+
+
+def default_lr(base: list[str], row: Row) -> float:
+    return composed(base, row)[0]
+
+
+def refusal(base: list[str], row: Row) -> str | None:
+    """Why the entrypoint refuses the row's config at K = NPROC (its error line), or None."""
+    return composed(base, row)[1]
 
 
 def grid(table: str, row: Row, base: list[str], factors: list[float], lr0: float, runs: Path) -> list:
@@ -417,7 +443,7 @@ def main(argv: list[str]) -> int:
     chosen, roots, notes, missing = {}, {}, {}, 0
     for table in args.tables:
         base = [*table_overrides(table, (found.get(table) or {}).get("budget")), *extra]
-        grids, done = tune(table, args, base, extra, chosen)
+        grids, done = tune(table, args, base, chosen)
         missing += sum(best is None for (t, _), best in chosen.items() if t == table)
         path = args.out / f"{table}_lr_grid.md"
         args.out.mkdir(parents=True, exist_ok=True)
@@ -444,15 +470,6 @@ def main(argv: list[str]) -> int:
     return finish(args, roots, notes, missing)
 
 
-def refusal(base: list[str], row: Row) -> str | None:
-    """Why the entrypoint refuses the row's config at K = NPROC (its error line), or None."""
-    try:
-        load_config([*base, *row.overrides], world_size=NPROC, offline=True, check_data=False)
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
 def refusals_note(table: str, base: list[str]) -> str | None:
     """The header's line on the rows this table's model does not admit at K = NPROC."""
     by_reason: dict[str, list[str]] = {}
@@ -465,13 +482,13 @@ def refusals_note(table: str, base: list[str]) -> str | None:
     return f"Rows this model does not admit at K = {NPROC}, so not run: {listed}."
 
 
-def tune(table: str, args: argparse.Namespace, base: list[str], extra: list[str], chosen: dict) -> tuple[dict, dict]:
+def tune(table: str, args: argparse.Namespace, base: list[str], chosen: dict) -> tuple[dict, dict]:
     """Run the grids of the table's selected rows, their choices into `chosen`; (every row's grid
     points, the chosen run dirs of each row this call does not run whose runs are complete):
     every complete row is tabulated, so calls over different rows build one table."""
     grids, done, ran = {}, {}, selected(table, args.rows)
     for row in rows(table):
-        lr0 = default_lr(table, row, extra)
+        lr0 = default_lr(base, row)
         if refusal(base, row) is not None:
             continue
         if row in ran:
