@@ -280,7 +280,7 @@ def plan_line(table: str, found: dict | None, args: argparse.Namespace, extra: l
     base = [*table_overrides(table, steps), *extra]
     chosen = [row for row in selected(table, args.rows) if refusal(base, row) is None]
     for row in chosen:
-        n = len(args.grid) + (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
+        n = len(args.grid) + seed_count(row, args.seed_counts) - 1
         todo = runs_left(table, row, args, default_lr(base, row))
         runs, left = runs + n, left + todo
         steps_left += todo * steps * (2 if "trainer.protocol=flop_matched" in row.overrides else 1)
@@ -299,19 +299,14 @@ def plan_line(table: str, found: dict | None, args: argparse.Namespace, extra: l
 def runs_left(table: str, row: Row, args: argparse.Namespace, lr0: float) -> int:
     """The runs the row still needs, by what --runs and OUT/runs hold: its grid's missing points
     (and one extension where its best point is on the edge), then its seeds at the chosen rate."""
-    kind, limit = TABLES[table][3], len(args.grid) + lrgrid.EXTENSIONS
-    seeds = (args.seed_counts[0] if row.full_seeds else args.seed_counts[1]) - 1
-    points = {}
+    kind, seeds = TABLES[table][3], seed_count(row, args.seed_counts) - 1
+    by_dir = {}
     for root in (args.out / RUNS, args.runs):  # a run under --runs wins over its record
-        points |= {p.run_dir.relative_to(root): p for p in grid_points(root / table / "grid" / row.name, lr0, kind)}
-    done = [p for p in points.values() if p.status == "completed"]
-    missing = len(set(args.grid) - {p.factor for p in done})
-    if missing:
-        return missing + seeds
-    extend = int(next_factor(done, kind, limit) is not None)
-    best = lrgrid.choose(done, kind)
-    if extend or best is None:
-        return extend + seeds
+        by_dir |= {p.run_dir.relative_to(root): p for p in grid_points(root / table / "grid" / row.name, lr0, kind)}
+    points = list(by_dir.values())
+    left, best = grid_left(points, args, kind), lrgrid.choose(points, kind)
+    if left or best is None:
+        return left + seeds
     seeded = set()
     for root in (args.out / RUNS, args.runs):
         where = seed_dir(root, table, row, best.lr)
@@ -376,6 +371,18 @@ def next_factor(points: list, kind: str, limit: int) -> float | None:
     return None if beyond is None or beyond in factors or len(factors) >= limit else beyond
 
 
+def grid_left(points: list, args: argparse.Namespace, kind: str) -> int:
+    """The runs a row's grid still needs: its factors not yet completed, else one while it would
+    extend past its edge; 0 when it is done."""
+    missing = len(set(args.grid) - {p.factor for p in points if p.status == "completed"})
+    return missing or int(next_factor(points, kind, len(args.grid) + lrgrid.EXTENSIONS) is not None)
+
+
+def seed_count(row: Row, counts: list[int]) -> int:
+    """The runs a row gets at its chosen rate (`--seed-counts` FULL or REST), seed 0 included."""
+    return counts[0] if row.full_seeds else counts[1]
+
+
 def grid_points(where: Path, lr0: float, kind: str) -> list:
     """The grid's points under `where` (a point's factor: its lr over the default `lr0`)."""
     return [lrgrid.point(run_dir, default_lr=lr0, kind=kind) for run_dir in run_dirs(where)]
@@ -389,7 +396,7 @@ def seed_dir(runs: Path, table: str, row: Row, lr: float) -> Path:
 
 def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], runs: Path) -> list[Path]:
     """The row's seeded runs at the chosen lr (seed 0: the grid's run); every run dir of the row."""
-    n = counts[0] if row.full_seeds else counts[1]
+    n = seed_count(row, counts)
     where = seed_dir(runs, table, row, chosen.lr)
     if n > 1:
         seeds = ",".join(str(s) for s in range(1, n))
@@ -400,13 +407,12 @@ def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], run
 def recorded(table: str, row: Row, args: argparse.Namespace, lr0: float) -> tuple[list, list[Path]] | None:
     """A row this call does not run, when its grid and its seeds at the chosen rate are complete
     under --runs (run or restored before): its grid's points and the chosen run dirs; else None."""
-    kind, limit = TABLES[table][3], len(args.grid) + lrgrid.EXTENSIONS
+    kind = TABLES[table][3]
     points = grid_points(args.runs / table / "grid" / row.name, lr0, kind)
     best = lrgrid.choose(points, kind)
-    ran = {p.factor for p in points if p.status == "completed"}
-    if best is None or not set(args.grid) <= ran or next_factor(points, kind, limit) is not None:
+    if best is None or grid_left(points, args, kind):
         return None
-    n = args.seed_counts[0] if row.full_seeds else args.seed_counts[1]
+    n = seed_count(row, args.seed_counts)
     dirs = [best.run_dir, *run_dirs(seed_dir(args.runs, table, row, best.lr))[: n - 1]]
     complete = len(dirs) == n and all(run_status(d) == "completed" for d in dirs)
     return (points, dirs) if complete else None

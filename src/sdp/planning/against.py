@@ -83,10 +83,9 @@ def compare(rank: int, estimate: dict, breakdown: dict, allocator_peak: int | No
     peak = memory["peak_breakdown"]
     figures = [Figure(kind, peak.get(kind), breakdown.get(kind)) for kind in PEAK_KINDS]
     figures.append(Figure(COMMUNICATORS, memory["comm_group_bytes"], None))
-    if allocator_peak is None:
-        total = Figure(TOTAL, memory["peak_bytes"], breakdown.get(TOTAL))
-    else:  # the allocator holds no communicator buffers either: compared without them
-        total = Figure(TOTAL, memory["peak_bytes"], allocator_peak)
+    # The allocator holds no communicator buffers either: both totals leave them out.
+    measured = breakdown.get(TOTAL) if allocator_peak is None else allocator_peak
+    total = Figure(TOTAL, memory["peak_bytes"], measured)
     return RankAgainst(rank, TRACKER if allocator_peak is None else ALLOCATOR, (*figures, total))
 
 
