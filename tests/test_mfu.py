@@ -7,10 +7,11 @@ import itertools
 import pytest
 import torch
 from conftest import LLAMA_VARIANTS, ONE_RANK_LLAMA
+from torch.utils.flop_counter import FlopCounterMode
 
 from sdp import dist
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.flops import attention_heads, model_flops_per_token
+from sdp.metrics.flops import FlopTally, attention_heads, model_flops_per_token
 from sdp.optim import build_optimizer
 from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
@@ -22,6 +23,7 @@ from sdp.rundir.figures import mfu_entries
 
 CPU = torch.device("cpu")
 BASE, VARIANTS = ONE_RANK_LLAMA, LLAMA_VARIANTS
+VISION = ["dataset=synthetic_image", "trainer.global_batch_size=4"]
 
 
 def _one_rank(overrides: list[str], *, rank: int = 1, world_size: int = 2) -> tuple[int, dict, int]:
@@ -87,3 +89,30 @@ def test_the_formula_credits_backward_masking_only_its_held_weight_gradients():
     full = model_flops_per_token(forward_params=100, trained_params=100, heads=2, head_dim=4, seq_len=8)
     held = model_flops_per_token(forward_params=100, trained_params=50, heads=2, head_dim=4, seq_len=8)
     assert full == 6 * 100 + 12 * 2 * 4 * 8 and full - held == 2 * 50
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*BASE, "masking=backward", "masking.coverage=0.5", "parallelism.activation_checkpointing=full"],
+        [*BASE, "masking=forward", "masking.coverage=0.5", "parallelism.activation_checkpointing=selective"],
+        [*VISION, "model=resnet_tiny", "masking=forward", "masking.coverage=0.5"],
+        [*VISION, "model=swin_tiny", "masking=none"],
+    ],
+)
+def test_the_tally_counts_what_torchs_flop_counter_counts(overrides):
+    # FlopTally drops FlopCounterMode's module tracking and decompositions (which change what a
+    # step keeps alive), not a FLOP: the same total over the same step, checkpointing included.
+    cfg = load_config(overrides, world_size=2, offline=True, check_data=False)
+    micro = micro_batch_size(cfg.trainer, world_size=2)
+    with dist.fake_process_group(1, 2):
+        world = dist.World(rank=1, local_rank=0, world_size=2)
+        strategy = build_strategy(cfg, world=world, device=CPU, comm=CommCounter())
+        optimizer = build_optimizer(strategy.trainable(), cfg.optim)
+        batches = itertools.repeat(dummy_batch(cfg, micro))
+        timer, counts = PhaseTimer(CPU), []
+        for counter in (FlopCounterMode(display=False), FlopTally()):
+            with counter:
+                train_step(strategy, optimizer, batches, cfg=cfg.trainer, micro=micro, device=CPU, timer=timer)
+            counts.append(counter.get_total_flops())
+    assert counts[1] == counts[0] > 0

@@ -1,12 +1,13 @@
 """The per-rank memory of a run, traced without a GPU (the command is `python -m sdp.estimate`).
 
 `estimate(cfg, world_size=K, rank=R)` plays one rank of a K-worker job in this one
-process and runs three training steps of the run's own code (config, DDP or
+process and runs two training steps of the run's own code (config, DDP or
 SDP strategy, optimizer, `train_step`) under FakeTensorMode with a fake
 process group: tensors have shapes, dtypes and storages but no data, and no
-collective moves anything. As in a run (`trainer.profile_step`, 3 by default),
-the second step runs under the FLOP counter and the third under the live-tensor
-tracker, after the optimizer state exists. It returns the same memory breakdown as a run's
+collective moves anything. The first makes the gradients and optimizer state; the
+second, in the steady state a run profiles (`trainer.profile_step`), runs under the
+FLOP counter and the live-tensor tracker at once (a run counts them in two steps; the two
+count the same, `sdp.metrics.flops.FlopTally`). It returns the same memory breakdown as a run's
 `summary.json`, plus the communication bytes per step the rank would send. Under DDP the
 strategy is the run's with `DDPBuckets`, the estimator's model of DDP's gradient buckets, in
 place of DistributedDataParallel, whose reducer cannot run on fake tensors.
@@ -364,26 +365,24 @@ def _profiled_steps(
     head: str | None,
     outer: OuterLoop | None = None,
 ) -> tuple[int, dict, tuple[dict, dict], list[dict]]:
-    """Three steps, as a run profiles them: step 2's FLOPs, step 3's live peak (as `measure_peak`
-    measures it, with the peak of each segment that `segments`, the steps' timer, marks). Step 1 only
-    allocates what every later step finds (gradients, optimizer state): one micro-step does
-    that as well as all of them, at a fraction of the trace. Step 2's collectives are kept with
-    the FLOPs done when each is issued and needed (the step-time model), those it needs itself
+    """Two steps: step 1 only allocates what every later step finds (gradients, optimizer
+    state; one micro-step does that as well as all of them, at a fraction of the trace); step 2
+    gives the FLOPs and the live peak (as `measure_peak` measures it, with the peak of each
+    segment that `segments`, the steps' timer, marks). Step 2's collectives are kept with the
+    FLOPs done when each is issued and needed (the step-time model), those it needs itself
     (issued in it or just before). With an outer loop, its state joins the static bytes (and the
-    peak, on the device) and a sync is traced after step 3 for its peak (`sync_peak_bytes`).
+    peak, on the device) and a sync is traced after step 2 for its peak (`sync_peak_bytes`).
     Returns (FLOPs, static bytes, (peak by kind, peak by kind of each segment), timeline)."""
     comm.timeline = []
     run_step(1)
     comm.discard_step()
-    with flop_counter() as counter:
-        comm.position = counter.get_total_flops
-        run_step()
-    comm.position, timeline, comm.timeline = None, comm.timeline, None
-    comm.end_step()
     static = strategy.memory(optimizer)
     live = LivePeak(strategy.model, optimizer, outer.device_state() if outer else ())
-    with torch.compiler.set_stance("force_eager"), live, segments.tracking(live, strategy.model, head):
-        run_step()
+    with flop_counter() as counter, torch.compiler.set_stance("force_eager"):
+        with live, segments.tracking(live, strategy.model, head):
+            comm.position = counter.get_total_flops
+            run_step()
+    comm.position, timeline, comm.timeline = None, comm.timeline, None
     comm.end_step()
     if outer is not None:  # the outer loop's state, and a sync's peak and collectives (a step's gradients alive)
         sync_segments, syncs, sent = _traced_syncs(strategy, optimizer, outer, comm)

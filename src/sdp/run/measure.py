@@ -102,8 +102,8 @@ class StepClock:
 def count_flops(run_step) -> tuple[torch.Tensor, int]:
     """Run `run_step()` under the FLOP counter; returns its loss and the FLOPs it ran.
 
-    Not in the same step as `measure_peak`: the counter's module tracking keeps the
-    tensors a checkpointed block recomputes alive, which would inflate the peak. Compiled
+    A run counts in its own step, before `measure_peak`'s; the counter changes nothing a step
+    keeps alive (`sdp.metrics.flops.FlopTally`), so the estimator counts both in one. Compiled
     blocks run eagerly in it (dynamo cannot trace under a dispatch mode)."""
     with torch.compiler.set_stance("force_eager"), flop_counter() as flops:
         loss = run_step()
