@@ -76,6 +76,12 @@ def torchrun(overrides: list[str], *, nproc: int = 2, cwd: Path, timeout: int = 
     return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _trace_cache(tmp_path_factory):
+    """The planner's traces (sdp.planning.traces) in the session's temporary folder, not the user's."""
+    os.environ["SDP_CACHE_DIR"] = str(tmp_path_factory.mktemp("sdp-cache"))
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a launched test job: offline, one thread per process."""
     return {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}

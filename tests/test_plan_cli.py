@@ -185,7 +185,7 @@ def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
     def row(run, headroom, step):
         return {"run": run, "fits": True, "headroom": headroom, "step_s": step, "method": "layers 3 and 4"}
 
-    def verify(top, cfg, *, devices):  # a whole trace that finds the row over its GPU
+    def verify(top, cfg, *, devices, trace):  # a whole trace that finds the row over its GPU
         return {**top, "fits": False, "method": "traced whole (verified)", "busiest_rank": 0, "peak_gib": 81.0}
 
     monkeypatch.setattr(plan, "verify", verify)

@@ -33,12 +33,13 @@ from sdp.planning.report import OBJECTIVES, format_rows, nearest_miss, plot, ran
 from sdp.planning.search import Composer, Outcome, search, verify
 from sdp.planning.space import CHECKPOINTING, PRECISIONS, SYNC_EVERY, parse_devices, structures
 from sdp.planning.step_time import Cluster, load_cluster, place
+from sdp.planning.traces import TraceCache, default_dir
 from sdp.run.config import RunConfig, validate
 
 MIN_COVERAGE = 0.3  # the default: below it quality fell in our replica tables (claims_before.md, claim 4a)
 OWN = (
     "devices", "cluster", "nodes", "objective", "min_coverage", "coverages", "granularity",
-    "precision", "checkpointing", "top", "workers", "world_size", "out", "sync_every",
+    "precision", "checkpointing", "top", "workers", "world_size", "out", "sync_every", "cache",
 )  # fmt: skip
 CHOSEN = {  # the planner's choices, and the planner's key that narrows each
     "masking": "min_coverage=, coverages=, granularity=",
@@ -73,6 +74,7 @@ USAGE = Usage(
         ("workers=2", "processes that trace in parallel"),
         ("world_size=K", "optional: must equal the number of devices"),
         ("out=DIR", "also write DIR/plan.json and DIR/pareto.png"),
+        ("cache=DIR|off", f"keep traces for the next call in DIR (default {default_dir()}); off: trace everything"),
     ],
     more="Every other key and group is the run's, as sdp.train takes it (python -m sdp.train --help);\n"
     "what the planner chooses (masking, parallelism, precision, checkpointing, accumulation) is refused\n"
@@ -101,6 +103,7 @@ class PlanArgs:
     top: int
     workers: int
     out: Path | None
+    cache: Path | None  # where traces are kept between calls (None: cache=off)
 
 
 def _choices(key: str, value: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -190,7 +193,21 @@ def parse_args(argv: list[str]) -> PlanArgs:
         10**9 if top == "all" else int(_number("top", top, 1, 10**6, whole=True)),
         int(_number("workers", own.get("workers", str(min(2, os.cpu_count() or 1))), 1, 64, whole=True)),
         Path(own["out"]) if "out" in own else None,
+        _cache(own.get("cache")),
     )
+
+
+def _cache(value: str | None) -> Path | None:
+    """cache=: the folder for traces (the default's need not be writable: without it the plan is
+    only slower), or None for off."""
+    if value is None:
+        return default_dir()
+    if value == "off":
+        return None
+    if not value.strip():
+        raise ConfigError("cache", value, "must be a folder, or off (trace everything)")
+    check_writable("cache", Path(value))
+    return Path(value)
 
 
 def run_facts(args: PlanArgs, cfg: RunConfig) -> dict:
@@ -301,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header(args, plain, len(space)), flush=True)
     start = time.perf_counter()
+    traces = TraceCache(args.cache)
     outcomes = search(
         space,
         compose=composer,
@@ -308,12 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         cluster=args.cluster,
         workers=args.workers,
         progress=progress_line,
+        traces=traces,
     )
     seconds = time.perf_counter() - start
     facts = run_facts(args, plain)
     rows = [row(o, run=facts, cluster_nodes=args.nodes) for o in outcomes]
-    best = verified(rows, {o.structure.label: o.structure for o in outcomes}, composer, args)
+    searched = (traces.made, traces.read)  # the verification's traces are counted apart
+    best = verified(rows, {o.structure.label: o.structure for o in outcomes}, composer, args, traces=traces)
+    made = sum(o.traces[0] for o in outcomes) + traces.made - searched[0]
+    read = sum(o.traces[1] for o in outcomes) + traces.read - searched[1]
     print(summary(rows, best, seconds=seconds, workers=args.workers), flush=True)
+    print(f"traces: {made} made, {read} read from {args.cache if args.cache else 'no cache (cache=off)'}", flush=True)
     if best:
         print(format_rows(best, unit=facts["unit"], top=args.top), flush=True)
     if args.out is not None:
@@ -328,7 +351,9 @@ VERIFIED = 3  # tries at a top row that a whole trace confirms
 CLOSE = 0.03  # the headroom under which a top row from a line is traced whole (the line's promise)
 
 
-def verified(rows: list[dict], structures: dict, composer: Composer, args: PlanArgs) -> list[dict]:
+def verified(
+    rows: list[dict], structures: dict, composer: Composer, args: PlanArgs, *, traces: TraceCache | None = None
+) -> list[dict]:
     """The ranking, its top row's peaks from whole traces (every layer) when they came from a
     line and leave less than CLOSE of its GPU free: the line is within CLOSE of the whole trace
     (docs/plan.md), so only a row that close to full could be wrong about fitting. A top row
@@ -338,7 +363,7 @@ def verified(rows: list[dict], structures: dict, composer: Composer, args: PlanA
         if not best or best[0]["method"].startswith("traced") or best[0]["headroom"] >= CLOSE:
             return best
         top = best[0]
-        checked = verify(top, composer(structures[top["run"]]), devices=args.devices)
+        checked = verify(top, composer(structures[top["run"]]), devices=args.devices, trace=traces or TraceCache(None))
         rows[rows.index(top)] = checked
         line = top["peaks_bytes"][checked["busiest_rank"]] / GIB
         print(

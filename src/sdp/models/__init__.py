@@ -279,10 +279,28 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     raise ConfigError("model.family", getattr(cfg, "family", None), f"allowed: {', '.join(FAMILIES)}")
 
 
+META_KEPT = 8  # the meta models `build_on_meta` keeps, the latest built
+
+
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
     """The plain model on the meta device (no memory, no initialisation cost), built before any
     process group so that a shape its library refuses ends in one ConfigError, not a traceback
-    (transformers, timm and torchvision check more than `validate_model` can know)."""
+    (transformers, timm and torchvision check more than `validate_model` can know).
+
+    The same config gives the same module, built once (a llama_1b takes 0.1 s, and the planner
+    asks for it a few times for each of its structures): read it, never change it."""
+    key = repr(cfg)
+    if key not in _META:
+        _META[key] = _build_on_meta(cfg)
+        while len(_META) > META_KEPT:
+            del _META[next(iter(_META))]
+    return _META[key]
+
+
+_META: dict[str, nn.Module] = {}
+
+
+def _build_on_meta(cfg: ModelConfig) -> nn.Module:
     try:
         with torch.device("meta"):
             return build_model(cfg)

@@ -40,7 +40,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
-from sdp.models import build_model
+from sdp.models import build_model, build_on_meta
 from sdp.optim import build_optimizer
 from sdp.outer import is_outer
 from sdp.outer.loop import OuterLoop
@@ -67,8 +67,7 @@ def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
     if not is_sdp(cfg.masking.name):
         return 0
     workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = build_on_meta(cfg.model)
     spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=workers)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     held = [
@@ -83,8 +82,7 @@ def planned_groups(cfg: RunConfig, *, world_size: int) -> list[int]:
     if not is_sdp(cfg.masking.name):
         return [1] * world_size
     workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = build_on_meta(cfg.model)
     fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
     return planned_comm_groups(
         model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp, steps=cfg.trainer.max_steps

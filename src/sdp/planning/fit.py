@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sdp.planning.estimator import busiest_rank
-from sdp.planning.layered import extend_steps, layered_estimate
+from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.layered import Trace, extend_steps, layered_estimate
 from sdp.planning.step_time import Cluster, resync
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
@@ -90,11 +90,13 @@ def short_run(cfg: RunConfig, *, world: int, micro: int) -> tuple[RunConfig, int
     return dataclasses.replace(cfg, trainer=trainer), accum
 
 
-def probe(cfg: RunConfig, *, devices: list[float], ranks: list[int], micro: int, cluster: Cluster | None) -> Fit:
+def probe(
+    cfg: RunConfig, *, devices: list[float], ranks: list[int], micro: int, cluster: Cluster | None, trace: Trace
+) -> Fit:
     """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch)."""
     world = len(devices)
     short, accum = short_run(cfg, world=world, micro=micro)
-    ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster) for r in ranks}
+    ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace) for r in ranks}
     peaks = {r: fit_peak(e) for r, e in ests.items()}
     return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
 
@@ -127,7 +129,7 @@ def _resynced(est: dict, every: int) -> dict:
     }
 
 
-def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster) -> dict:
+def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster, trace: Trace = estimate) -> dict:
     """The step on `cluster` at the fit's accumulation: the slowest traced rank's, extended from
     the short trace (see the module doc)."""
     world, short = len(devices), min(found.accum, SHORT_ACCUM)
@@ -138,29 +140,37 @@ def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluste
     if cfg.parallelism.name == "fsdp":
         trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=1, global_batch_size=found.micro * world)
         single = dataclasses.replace(cfg, trainer=trainer)  # one micro-step of the same size
-        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster)["step"]
+        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace)["step"]
         return extend_steps(one, step, found.accum - 1)
     per_micro = step["compute_s"] / short
     keys = ("compute_s", "step_serial_s", "step_overlapped_s")
     return {**step, **{k: step[k] + (found.accum - short) * per_micro for k in keys}}
 
 
-def fit(cfg: RunConfig, *, devices: list[float], cluster: Cluster | None = None, guess: int | None = None) -> Fit:
+def fit(
+    cfg: RunConfig,
+    *,
+    devices: list[float],
+    cluster: Cluster | None = None,
+    guess: int | None = None,
+    trace: Trace = estimate,
+) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
-    starting from `guess` when given; with a cluster, its step there (`Fit.step`)."""
+    starting from `guess` when given; with a cluster, its step there (`Fit.step`). `trace` makes
+    each trace (`sdp.planning.layered`)."""
     per_rank = cfg.trainer.global_batch_size // len(devices)
     options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
     ranks = traced_ranks(cfg, devices=devices)
     seen: list[Fit] = []
 
     def at(i: int) -> Fit:
-        seen.append(probe(cfg, devices=devices, ranks=ranks, micro=options[i], cluster=cluster))
+        seen.append(probe(cfg, devices=devices, ranks=ranks, micro=options[i], cluster=cluster, trace=trace))
         return seen[-1]
 
     found = _walk(at, len(options), None if guess is None else max(i for i, m in enumerate(options) if m <= guess))
     found = dataclasses.replace(found, probes=len(seen))
     if found.fits and cluster is not None:
-        found.step = step_at(cfg, found, devices=devices, cluster=cluster)
+        found.step = step_at(cfg, found, devices=devices, cluster=cluster, trace=trace)
     return found
 
 

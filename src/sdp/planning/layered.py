@@ -34,11 +34,10 @@ whole trace's overlapped step for llama_1b on h100_nvlink and 0.5% on 2 nodes of
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from collections.abc import Callable
 
 from sdp.errors import ConfigError
-from sdp.models import build_model
+from sdp.models import build_on_meta
 from sdp.outer import is_outer
 from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.step_time import Cluster, step_times
@@ -50,6 +49,7 @@ SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the mo
 SPREAD = 0.005  # the most `layer_spread` the line is taken at; past it the model is traced whole
 HEAD = "model.norm"  # transformers' LLaMA: the final norm, where the decoder stack ends
 OUTER_BYTES = ("outer_backup_bytes", "outer_momentum_bytes")  # an outer loop's, on the line
+Trace = Callable[..., dict]  # estimate's signature: (cfg, *, world_size, rank, head=None) -> its figures
 
 
 def extends(cfg: RunConfig) -> bool:
@@ -88,14 +88,17 @@ def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
 
 
-def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Cluster | None = None) -> dict:
+def layered_estimate(
+    cfg: RunConfig, *, world_size: int, rank: int, cluster: Cluster | None = None, trace: Trace = estimate
+) -> dict:
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
     model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
-    `step_times` on it (None without)."""
+    `step_times` on it (None without). `trace`: what makes each trace (the planner's reads
+    them from its cache, `sdp.planning.traces`)."""
     line = block_line(cfg, world_size=world_size, rank=rank) if block_forward(cfg) else None
     if line is not None:
         shorts, times = line
-        one, two = (estimate(short, world_size=world_size, rank=rank, head=HEAD) for short in shorts)
+        one, two = (trace(short, world_size=world_size, rank=rank, head=HEAD) for short in shorts)
         est = extended(one, two, times, cluster=cluster)
         return {
             **est,
@@ -104,9 +107,9 @@ def layered_estimate(cfg: RunConfig, *, world_size: int, rank: int, cluster: Clu
             "method": f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
         }
     if not extends(cfg) or layer_spread(cfg, world_size=world_size, rank=rank) > SPREAD:
-        whole = estimate(cfg, world_size=world_size, rank=rank)
+        whole = trace(cfg, world_size=world_size, rank=rank)
         return {**whole, "method": "traced", "step": None if cluster is None else step_times(whole, cluster)}
-    one, two = (estimate(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
+    one, two = (trace(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
     layers = cfg.model.num_layers
     return {
         **extended(one, two, layers - SHORT[0], cluster=cluster),
@@ -211,8 +214,7 @@ def _subnet_plan(cfg: RunConfig, *, world_size: int) -> SubnetPlan:
     """The run's SDP plan (its mask, units and holder sets), on the meta device."""
     workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
     fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = build_on_meta(cfg.model)
     return SubnetPlan.build(model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp)
 
 

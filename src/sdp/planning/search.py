@@ -26,8 +26,10 @@ import torch
 from sdp.errors import ConfigError
 from sdp.planning.estimator import estimate
 from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
+from sdp.planning.layered import Trace
 from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
+from sdp.planning.traces import TraceCache
 from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
 from sdp.subnet import capacity_replaces_coverage
 
@@ -42,6 +44,7 @@ class Outcome:
     reason: str = ""
     seconds: float = 0.0
     lead: Structure | None = None
+    traces: tuple[int, int] = (0, 0)  # traces made, and read from the cache (sdp.planning.traces)
 
 
 class Composer:
@@ -115,13 +118,14 @@ def families(space: list[Structure]) -> list[list[Structure]]:
 def fit_family(task: tuple) -> list[Outcome]:
     """Fit a family's structures in order: the first from the largest micro-batch (on GPUs that
     hold the model it fits there), each next from the one before's."""
-    pairs, devices, cluster = task
+    pairs, devices, cluster, traces = task
     out, guess = [], pairs[0][1].trainer.global_batch_size  # the first from the largest micro-batch
     for s, cfg in pairs:
-        start = time.perf_counter()
-        found = fit(cfg, devices=devices, cluster=cluster, guess=guess)
+        start, before = time.perf_counter(), (traces.made, traces.read)
+        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, trace=traces)
         guess = found.micro
-        out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start))
+        counts = (traces.made - before[0], traces.read - before[1])
+        out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start, traces=counts))
     return out
 
 
@@ -143,9 +147,12 @@ def search(
     cluster: Cluster | None,
     workers: int,
     progress: Callable[[Outcome, int, int], None] | None = None,
+    traces: TraceCache | None = None,
 ) -> list[Outcome]:
     """Every structure's outcome, in the order of `space`. Of a structure's outer loops (the same
-    but for H), the first the entrypoint takes is fitted and the others derived from it."""
+    but for H), the first the entrypoint takes is fitted and the others derived from it. `traces`:
+    where traces are kept between calls (None: nowhere)."""
+    traces = traces or TraceCache(None)
     outcomes: dict[Structure, Outcome] = {}
     composed = {}
     for s in space:
@@ -156,7 +163,7 @@ def search(
     leads = lead_structures(list(composed))
     tasks = []
     for family in families([s for s in composed if leads[s] == s]):
-        tasks.append(([(s, composed[s]) for s in family], devices, cluster))
+        tasks.append(([(s, composed[s]) for s in family], devices, cluster, traces))
     done = len(outcomes)
     if workers > 1 and len(tasks) > 1:
         with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_quiet_worker) as pool:
@@ -195,12 +202,12 @@ def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progre
     return done
 
 
-def verify(row: dict, cfg: RunConfig, *, devices: list[float]) -> dict:
+def verify(row: dict, cfg: RunConfig, *, devices: list[float], trace: Trace = estimate) -> dict:
     """A row's peaks from whole traces (every layer, at most 2 accumulation steps: the peak of
     any count from 2), replacing the line's; the row as it then stands (it may no longer fit)."""
     world = len(devices)
     short, _ = short_run(cfg, world=world, micro=row["micro_batch"])
-    peaks = {int(r): fit_peak(estimate(short, world_size=world, rank=int(r))) for r in row["peaks_bytes"]}
+    peaks = {int(r): fit_peak(trace(short, world_size=world, rank=int(r))) for r in row["peaks_bytes"]}
     share = {r: p / (devices[r] * GIB) for r, p in peaks.items()}
     busiest = max(share, key=share.get)
     return {

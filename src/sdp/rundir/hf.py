@@ -17,6 +17,7 @@ of text). docs/export.md describes every file and field.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import shutil
 import sys
@@ -89,7 +90,7 @@ def export_llama(out: Path, weights: Path, cfg: LlamaConfig, *, tokenizer: Path 
     defaults, 1 and 2, are ordinary tokens of ours)."""
     import transformers
 
-    config = build_on_meta(cfg).config  # the transformers config of sdp's model, weights unmade
+    config = copy.deepcopy(build_on_meta(cfg).config)  # sdp's model's transformers config (the meta model's is shared)
     fast = None
     if tokenizer is not None:
         fast = hf_tokenizer(
