@@ -18,6 +18,8 @@ FORMS = "must be NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts j
         ("[80,80,24,24]", [80, 80, 24, 24]),
         ("4x80+4x24", [80.0] * 4 + [24.0] * 4),
         ("1x40.5", [40.5]),
+        ("4x80GiB+4x24gib", [80.0] * 4 + [24.0] * 4),  # the unit may be written, as GiB
+        ("[80GiB,24]", [80.0, 24.0]),
     ],
 )
 def test_devices_are_gib_per_gpu_in_rank_order(text, gib):
@@ -34,6 +36,16 @@ def test_devices_are_gib_per_gpu_in_rank_order(text, gib):
         ("[80,big]", f"devices='[80,big]': {FORMS}; 'big' is not a number of GiB"),
         ("[80,nan]", "devices='[80,nan]': has nan GiB: each GPU's memory must be a number in (0, 1e6]"),
         ("2x0", "devices='2x0': has 0 GiB: each GPU's memory must be a number in (0, 1e6]"),
+        (
+            "8x80GB",
+            "devices='8x80GB': has 80GB: sizes are GiB (2**30 bytes): give 80 or 80GiB (a card sold as 80 GB "
+            "holds about 80 GiB: nvidia-smi's MiB / 1024)",
+        ),
+        (
+            "[80,24G]",
+            "devices='[80,24G]': has 24G: sizes are GiB (2**30 bytes): give 24 or 24GiB (a card sold as 24 GB "
+            "holds about 24 GiB: nvidia-smi's MiB / 1024)",
+        ),
     ],
 )
 def test_an_unknown_device_string_is_one_line(text, message):

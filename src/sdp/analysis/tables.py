@@ -363,9 +363,9 @@ def plots(table: str, info: dict, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = [_label(r) for r in rows]
-    ax.barh(labels, [(r["peak_gib"] or 0) * 1024 for r in rows], color="tab:blue", label="live peak")
-    ax.barh(labels, [(r["static_gib"] or 0) * 1024 for r in rows], color="tab:orange", label="static")
-    ax.set(xlabel="MiB per rank (busiest rank)", title=f"{table}: memory per rank")
+    ax.barh(labels, [r["peak_gib"] or 0 for r in rows], color="tab:blue", label="live peak")
+    ax.barh(labels, [r["static_gib"] or 0 for r in rows], color="tab:orange", label="static")
+    ax.set(xlabel="GiB (2**30 bytes) per rank (busiest rank)", title=f"{table}: memory per rank")
     ax.invert_yaxis()
     ax.legend(fontsize=7)
     written.append(_save(fig, out / f"{table}_memory.png"))

@@ -87,7 +87,7 @@ def _peak(s: Summary | None) -> int | None:
 def comparison_table(results: list[Result]) -> str:
     """Markdown table: quality, per-rank bytes, comm and step time, with ratios to the first row."""
     head = (
-        "| variant | eval | train loss | params+grads+optim MiB/rank | vs DDP | live peak MiB/rank | vs DDP "
+        "| variant | eval | train loss | params+grads+optim GiB/rank | vs DDP | live peak GiB/rank | vs DDP "
         "| comm MiB/step | vs DDP | step s | vs DDP | wall s |"
     )
     lines = [head, "|" + "---|" * 12]
@@ -98,10 +98,10 @@ def comparison_table(results: list[Result]) -> str:
             lines.append(f"| {r.label} | failed |" + " |" * 9 + f" {r.wall_s:.0f} |")
             continue
         mem, comm, step, peak = r.static_bytes, s.comm_bytes_per_step, s.step_time_s, _peak(s)
-        peak_mib = "" if peak is None else f"{peak / 2**20:.1f}"
+        peak_gib = "" if peak is None else f"{peak / 2**30:.4f}"
         lines.append(
-            f"| {r.label} | {_quality(s)} | {s.train_loss:.3f} | {mem / 2**20:.1f} | "
-            f"{_ratio(mem, base and base.static_bytes)} | {peak_mib} | {_ratio(peak, _peak(base and base.summary))} | "
+            f"| {r.label} | {_quality(s)} | {s.train_loss:.3f} | {mem / 2**30:.4f} | "
+            f"{_ratio(mem, base and base.static_bytes)} | {peak_gib} | {_ratio(peak, _peak(base and base.summary))} | "
             f"{comm / 2**20:.2f} | "
             f"{_ratio(comm, base and base.summary.comm_bytes_per_step)} | {'' if step is None else f'{step:.3f}'} | "
             f"{_ratio(step, base and base.summary.step_time_s)} | {r.wall_s:.0f} |"

@@ -14,7 +14,9 @@ SDP's coverages are r / K for r holders per unit. By default the planner weighs 
 grid the paper and our replica tables measure (0.75, 0.5, 0.25, and 0.125 below it), the
 quality caveats of the replica reports (planning/report.py) speak of; `every=True` weighs every r / K.
 
-Devices are given in GiB per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`.
+Devices are given in GiB (2**30 bytes) per GPU: `8x80`, `[80,80,24,24]`, or `4x80+4x24`; a size
+may carry the suffix GiB (`8x80GiB`). GB is refused: it may mean 1e9 bytes, and a card sold as
+80 GB has about 80 GiB (nvidia-smi's MiB / 1024), the number to give.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def parse_devices(text: str) -> list[float]:
         found = [_gib(text, p) for p in parts] if all(parts) else []
     else:
         for part in spec.split("+"):
-            m = re.fullmatch(r"(\d+)[xX]([0-9.]+)", part)
+            m = re.fullmatch(r"(\d+)[xX]([0-9.]+[A-Za-z]*)", part)
             if m is not None and int(m.group(1)) == 0:
                 raise ConfigError("devices", text, f"has {part}: no GPU; each part needs at least one device (1x80)")
             if m is None or int(m.group(1)) > MAX_DEVICES:
@@ -58,6 +60,17 @@ def parse_devices(text: str) -> list[float]:
 
 
 def _gib(text: str, part: str) -> float:
+    """One GPU's GiB from `part`: a number, or one with the suffix GiB; a GB (whose meaning,
+    1e9 or 2**30 bytes, a reader must guess) is refused with the GiB to give."""
+    number, unit = re.fullmatch(r"(.*?)([A-Za-z]*)", part).groups()
+    if unit and unit.lower() != "gib" and number and unit.lower() not in ("nan", "inf", "infinity"):
+        raise ConfigError(
+            "devices",
+            text,
+            f"has {part}: sizes are GiB (2**30 bytes): give {number} or {number}GiB (a card sold as "
+            f"{number} GB holds about {number} GiB: nvidia-smi's MiB / 1024)",
+        )
+    part = number if unit.lower() == "gib" else part
     try:
         gib = float(part)
     except ValueError:

@@ -97,14 +97,14 @@ def print_result(summary: Summary) -> None:
     quality = " ".join(f"{k}={v:.4f}" for k, v in values.items() if v is not None)
     speed = summary.tokens_or_samples_per_s
     speed = "" if speed is None else f"{speed:.1f} {summary.throughput_unit}, "
-    peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**20:.1f} MiB/rank"
+    peak = "" if mem["peak_bytes"] is None else f", live peak {mem['peak_bytes'] / 2**30:.4f} GiB/rank"
     verb = "done"
     if summary.stopped_at:
         by = "Ctrl-C" if summary.stopped_by == "SIGINT" else summary.stopped_by
         verb = f"stopped ({by}); {resume_hint(summary.resumes_from)}"
     print(
         f"{verb}: {summary.steps} steps, {quality}, {speed}"
-        f"params+grads+optim {summary.static_bytes / 2**20:.1f} MiB/rank{peak}, "
+        f"params+grads+optim {summary.static_bytes / 2**30:.4f} GiB/rank{peak}, "
         f"comm {summary.comm_bytes_per_step / 2**20:.2f} MiB/step -> {summary.run_dir}",
         flush=True,
     )
