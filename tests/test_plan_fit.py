@@ -19,10 +19,12 @@ def probes(monkeypatch):
     """A stand-in estimator: rank r's peak is (1 + r) GiB + micro-batch x 0.25 GiB; the probes are recorded."""
     seen = []
 
-    def estimate(cfg, *, world_size, rank, cluster=None):
+    def estimate(cfg, *, world_size, rank, cluster=None, trace=None):
         micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
         seen.append((rank, micro))
-        return {"memory": {"peak_with_comm_groups_bytes": int(((1 + rank) + micro * 0.25) * GIB)}}
+        return {
+            "memory": {"peak_with_comm_groups_bytes": int(((1 + rank) + micro * 0.25) * GIB), "comm_group_bytes": 0}
+        }
 
     monkeypatch.setattr(sdp.planning.fit, "layered_estimate", estimate)
     return seen

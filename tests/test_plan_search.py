@@ -10,6 +10,7 @@ from sdp.planning.report import ranked, row
 from sdp.planning.search import Composer, families, search, verify
 from sdp.planning.space import Structure, outer_free, structures
 from sdp.planning.step_time import load_cluster, place
+from sdp.planning.traces import TraceCache
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
 
@@ -44,17 +45,40 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads():
     assert plain == estimator_config([*TINY, "trainer.max_steps=40", *forward.overrides()], 4)
 
 
+def test_a_family_searched_from_the_least_memory_up_chooses_what_each_structure_alone_would(tmp_path):
+    # 4 x 50 MiB, 16 sequences a rank: micro-batches 2 to 8 fit, by structure. A miss of a
+    # structure that holds no more (lower coverage, more checkpointing) rules a micro-batch out
+    # without a trace; each choice is still the one an independent search makes, trace for trace.
+    overrides = [*TINY, "trainer.global_batch_size=64", "parallelism.comm_group_overhead_mb=1"]
+    devices = [0.05] * 4
+    space = [
+        s
+        for s in structures(devices, min_coverage=0.25, granularities=("neuron",), precisions=("fp32",))
+        if s.masking == "backward" and s.checkpointing != "selective"
+    ]
+    compose, traces = Composer(overrides, world=4), TraceCache(tmp_path)
+    outcomes = search(space, compose=compose, devices=devices, cluster=None, workers=1, traces=traces)
+    alone = [fit(compose(o.structure), devices=devices, trace=traces) for o in outcomes]
+    for o, f in zip(outcomes, alone, strict=True):
+        assert (o.found.micro, o.found.accum, o.found.peaks) == (f.micro, f.accum, f.peaks), o.structure.label
+    assert {o.found.micro for o in outcomes} == {2, 4, 8}
+    # In order: C=0.25 + AC and C=0.25 search alone (3 probes each); the rest start below a
+    # micro-batch a smaller structure missed at, and one trace at the next smaller settles three.
+    assert [o.found.probes for o in outcomes] == [2, 1, 3, 1, 2, 3]  # C=0.75, 0.5, 0.25; then + AC
+    assert sum(o.found.probes for o in outcomes) == 12 < sum(f.probes for f in alone)
+
+
 def test_families_share_all_but_coverage_and_checkpointing():
     space = structures([80.0] * 4, min_coverage=0.25, granularities=("neuron",), every=False)
     groups = families(space)
     # fp32: DDP, FSDP, 2 modes; bf16 adds SDP x FSDP(2)
     assert sum(map(len, groups)) == len(space) and len(groups) == 4 + 5
     forward = next(g for g in groups if (g[0].masking, g[0].fsdp_degree, g[0].precision) == ("forward", 1, "fp32"))
-    assert [s.label for s in forward[:4]] == [
-        "N-SDP forward C=0.75",
-        "N-SDP forward C=0.75 + AC(sel)",
-        "N-SDP forward C=0.75 + AC",
-        "N-SDP forward C=0.5",
+    assert [s.label for s in forward[:4]] == [  # from the least memory up
+        "N-SDP forward C=0.25 + AC",
+        "N-SDP forward C=0.25 + AC(sel)",
+        "N-SDP forward C=0.25",
+        "N-SDP forward C=0.5 + AC",
     ]
     assert len(groups[0]) >= len(groups[-1])  # the longest tasks first
 

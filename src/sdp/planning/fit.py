@@ -56,6 +56,8 @@ class Fit:
     estimates: dict[int, dict]  # rank -> its (short) estimate
     probes: int = 1  # micro-batches traced to decide
     step: dict | None = None  # the slowest traced rank's `step_times` at `accum` (with a cluster)
+    # micro-batch -> traced rank -> its peak without the communicators, for every micro-batch traced
+    traced: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -91,7 +93,13 @@ def short_run(cfg: RunConfig, *, world: int, micro: int) -> tuple[RunConfig, int
 
 
 def probe(
-    cfg: RunConfig, *, devices: list[float], ranks: list[int], micro: int, cluster: Cluster | None, trace: Trace
+    cfg: RunConfig,
+    *,
+    devices: list[float],
+    ranks: list[int],
+    micro: int,
+    cluster: Cluster | None,
+    trace: Trace = estimate,
 ) -> Fit:
     """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch)."""
     world = len(devices)
@@ -153,13 +161,17 @@ def fit(
     devices: list[float],
     cluster: Cluster | None = None,
     guess: int | None = None,
+    below: int | None = None,
     trace: Trace = estimate,
 ) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
-    starting from `guess` when given; with a cluster, its step there (`Fit.step`). `trace` makes
-    each trace (`sdp.planning.layered`)."""
+    starting from `guess` when given; with a cluster, its step there (`Fit.step`). `below`: a
+    micro-batch known not to fit (from a structure that takes no more memory, `known_miss`): only
+    smaller ones are tried (micro-batch 1 still is, for its peak). `trace` makes each trace
+    (`sdp.planning.layered`)."""
     per_rank = cfg.trainer.global_batch_size // len(devices)
     options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
+    n = max(1, sum(below is None or m < below for m in options))
     ranks = traced_ranks(cfg, devices=devices)
     seen: list[Fit] = []
 
@@ -167,8 +179,10 @@ def fit(
         seen.append(probe(cfg, devices=devices, ranks=ranks, micro=options[i], cluster=cluster, trace=trace))
         return seen[-1]
 
-    found = _walk(at, len(options), None if guess is None else max(i for i, m in enumerate(options) if m <= guess))
-    found = dataclasses.replace(found, probes=len(seen))
+    start = None if guess is None else max(i for i, m in enumerate(options[:n]) if m <= guess)
+    found = _walk(at, n, start)
+    traced = {f.micro: {r: p - f.estimates[r]["memory"]["comm_group_bytes"] for r, p in f.peaks.items()} for f in seen}
+    found = dataclasses.replace(found, probes=len(seen), traced=traced)
     if found.fits and cluster is not None:
         found.step = step_at(cfg, found, devices=devices, cluster=cluster, trace=trace)
     return found

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from sdp.errors import ConfigError
-from sdp.planning.estimator import estimate
+from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
 from sdp.planning.layered import Trace
 from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
 from sdp.planning.traces import TraceCache
 from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
-from sdp.subnet import capacity_replaces_coverage
+from sdp.subnet import capacity_replaces_coverage, is_sdp
 
 
 @dataclass
@@ -103,27 +103,75 @@ def family_of(s: Structure) -> tuple:
     return (s.parallelism, s.masking, s.granularity, s.fsdp_degree, s.precision, s.capacity is None)
 
 
+LEAST_MEMORY = {ac: i for i, ac in enumerate(reversed(CHECKPOINTING))}  # full, selective, none
+
+
+def size_order(s: Structure) -> tuple:
+    """A family's structures from the least memory up: by coverage (or capacities), then
+    checkpointing (full first), then without an outer loop before with one."""
+    return (s.coverage or 0, s.capacity or (), LEAST_MEMORY[s.checkpointing], s.sync_every is not None)
+
+
+def no_bigger(a: Structure, b: Structure) -> bool:
+    """Whether `a`, of `b`'s family, holds no more than `b` on any rank at any micro-batch: no
+    more coverage (each worker no more capacity: under a cyclic mask a rank's units at a lower
+    coverage are a subset of its units at a higher one), no less checkpointing, and an outer
+    loop only where `b` has one."""
+    if a.capacity is not None:
+        covered = all(x <= y for x, y in zip(a.capacity, b.capacity, strict=True))
+    else:
+        covered = (a.coverage or 0) <= (b.coverage or 0)
+    less_kept = LEAST_MEMORY[a.checkpointing] <= LEAST_MEMORY[b.checkpointing]
+    return covered and less_kept and (a.sync_every is None or b.sync_every is not None)
+
+
+def known_miss(s: Structure, cfg: RunConfig, fitted: list[tuple[Structure, Fit]], devices: list[float]) -> int | None:
+    """The smallest micro-batch at which `s` cannot fit, from the traces of the structures of its
+    family fitted before it that hold no more (`no_bigger`): a rank of theirs that, with the
+    communicators of `s`'s process groups on that rank, is over its GPU at a micro-batch is
+    over it under `s` too. None when they show none, or when the mask is not cyclic (a random
+    mask's units at two coverages are not nested)."""
+    if is_sdp(cfg.masking.name) and cfg.masking.construction != "cyclic":
+        return None
+    world, found = len(devices), None
+    comm = None
+    for a, fit_a in fitted:
+        if not no_bigger(a, s):
+            continue
+        if comm is None:
+            mb = cfg.parallelism.comm_group_overhead_mb
+            comm = [int(groups * mb * 2**20) for groups in planned_groups(cfg, world_size=world)]
+        for micro, live in fit_a.traced.items():
+            if any(bytes_ + comm[r] > devices[r] * GIB for r, bytes_ in live.items()):
+                found = micro if found is None else min(found, micro)
+    return found
+
+
 def families(space: list[Structure]) -> list[list[Structure]]:
-    """The space in families, each ordered by coverage (largest first) then checkpointing, the
-    largest families first (they are the longest tasks)."""
+    """The space in families, each ordered from the least memory up (`size_order`), the largest
+    families first (they are the longest tasks)."""
     out: dict[tuple, list[Structure]] = {}
     for s in space:
         out.setdefault(family_of(s), []).append(s)
-    order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
     for group in out.values():
-        group.sort(key=lambda s: (-(s.coverage or 0), s.capacity and [-c for c in s.capacity], order[s.checkpointing]))
+        group.sort(key=size_order)
     return sorted(out.values(), key=len, reverse=True)
 
 
 def fit_family(task: tuple) -> list[Outcome]:
-    """Fit a family's structures in order: the first from the largest micro-batch (on GPUs that
-    hold the model it fits there), each next from the one before's."""
+    """Fit a family's structures from the least memory up: the first from the largest
+    micro-batch (on GPUs that hold the model it fits there), each next from the one before's
+    choice, below the smallest micro-batch that a structure holding no more missed at
+    (`known_miss`). The traces decide every choice; the order only spares probes."""
     pairs, devices, cluster, traces = task
     out, guess = [], pairs[0][1].trainer.global_batch_size  # the first from the largest micro-batch
+    fitted: list[tuple[Structure, Fit]] = []
     for s, cfg in pairs:
         start, before = time.perf_counter(), (traces.made, traces.read)
-        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, trace=traces)
+        below = known_miss(s, cfg, fitted, devices)
+        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, below=below, trace=traces)
         guess = found.micro
+        fitted.append((s, found))
         counts = (traces.made - before[0], traces.read - before[1])
         out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start, traces=counts))
     return out
