@@ -163,7 +163,7 @@ def test_caveats_cite_claims_the_report_has():
     # A regenerated claims report that renames or drops a claim breaks the citations: caught here.
     root = Path(__file__).parents[1]
     assert all(f"## {heading}" in (root / report).read_text() for report, heading in CITED.values())
-    assert sources() == ("1, 4a from results/cpu_replica/claims_before.md; 4b, 5 from results/cpu_replica/claims.md")
+    assert sources() == "1, 4a, 4b, 5 from results/cpu_replica/claims.md"
     cited = set()
     for masking, coverage in (("forward", 0.25), ("backward", 0.5)):
         for protocol in ("same_iteration", "flop_matched"):

@@ -2,10 +2,9 @@
 
 A row's caveat is what our replica reports support about its kind of run, with the claim it
 comes from; nothing is said where they say nothing (DDP and FSDP train the same model; uneven
-capacities have no replica table). Claims 4b and 5 come from the converged report (claims.md:
-tuned rates, 5 seeds, both tables); claims 1 and 4a from the earlier 3-seed report
-(claims_before.md: not converged) until the converged tables have their flop_matched and
-C < 0.3 rows.
+capacities have no replica table). Every claim cited comes from the converged report
+(claims.md: tuned rates, 3 to 5 seeds): 4b and 5 from both tables, 1 from the language table
+(its flop_matched rows), 4a from the vision table (its C = 0.25 rows).
 """
 
 from __future__ import annotations
@@ -18,13 +17,12 @@ from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
 
 CLAIMS = "results/cpu_replica/claims.md"
-CLAIMS_BEFORE = "results/cpu_replica/claims_before.md"
 LOWCOMM = "docs/lowcomm.md"  # the low-communication comparison
 MIB = 2**20
 # The claims a caveat cites, by number: the report each comes from and its heading there.
 CITED = {
-    "1": (CLAIMS_BEFORE, "Claim 1: Under FLOP-matching, SDP maintains or improves quality"),
-    "4a": (CLAIMS_BEFORE, "Claim 4a: Quality degrades below C ≈ 0.3."),
+    "1": (CLAIMS, "Claim 1: Under FLOP-matching, SDP maintains or improves quality"),
+    "4a": (CLAIMS, "Claim 4a: Quality degrades below C ≈ 0.3."),
     "4b": (CLAIMS, "Claim 4b: Quality stays near DDP for C ≳ 0.3."),
     "5": (CLAIMS, "Claim 5: Backward masking (unbiased gradients) tracks DDP more closely"),
 }
@@ -50,7 +48,7 @@ def caveat(s: Structure, *, protocol: str) -> str:
     coverage = s.coverage if s.capacity is None else sum(s.capacity) / len(s.capacity)
     notes = ["C < 0.3 lost quality (4a)"] if coverage < 0.3 else []
     if protocol == "flop_matched":
-        notes.append("1/C the steps: held or beat DDP (1)")
+        notes.append(f"1/C the steps: {'beat' if s.masking == 'backward' else 'trailed'} DDP (1)")
     elif s.masking == "forward":
         notes.append("trails DDP at its step count (4b, 5)")
     else:
