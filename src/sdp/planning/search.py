@@ -6,8 +6,9 @@ checked as `load_config` checks them (tests/test_plan_search.py checks the copie
 composed configs). A structure the entrypoint would refuse is kept with its one-line reason.
 
 Structures that differ only in coverage, activation checkpointing and an outer loop form a
-*family*; a family is fitted in order, each structure's micro-batch search starting from the
-one before it (their peaks are close), and the families are spread over worker processes
+*family*; a family is fitted from the least memory up, each structure's micro-batch search
+starting from the one before it (their peaks are close) and below any micro-batch a structure
+holding no more missed at (`known_miss`), and the families are spread over worker processes
 (`workers`, 2 on this 2-core machine), forked after the imports. Of an outer loop's H, one is
 fitted and the others derived (`lead_structures`).
 """
