@@ -23,6 +23,7 @@ VARIANTS = {
     "backward-diloco": ["masking=backward", "masking.capacity=[1,0.5]", "outer=diloco", "outer.sync_every=2"],
 }
 OUTER_KEYS = ("outer_backup_bytes", "outer_momentum_bytes")
+LARGEST_TENSOR_BYTES = 4096 * 128 * 4  # llama_tiny's embedding and head (vocabulary x width, fp32)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,11 @@ def test_estimator_equals_the_real_run_per_rank(real_runs, estimates, variant):
         if "diloco" in variant:  # the outer loop's state exactly, and the peak of its sync after step 3
             for key in OUTER_KEYS:
                 assert est["memory"][key] == measured[key] > 0, (rank, key)
-            assert est["memory"]["sync_peak_bytes"] == pytest.approx(measured["sync_peak_bytes"], rel=0.01)
+            # gloo's worker thread drops its reference to the bucket it sent a moment after wait()
+            # returns: if the outer step's first temporary (the embedding's update) comes first, the
+            # bucket is still counted then. Either the estimate exactly, or one such tensor above it.
+            above = measured["sync_peak_bytes"] - est["memory"]["sync_peak_bytes"]
+            assert above in (0, LARGEST_TENSOR_BYTES), (rank, above)
     assert max(e["flops_per_step"] for e in estimates[variant]) == real["flops_per_step_per_rank"]
     if variant == "backward-diloco":  # capacities 1 and 0.5: rank 1 holds less of everything
         assert real["memory_per_rank"][1]["outer_backup_bytes"] < real["memory_per_rank"][0]["outer_backup_bytes"]

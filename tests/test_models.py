@@ -56,6 +56,8 @@ def test_a_shape_the_library_refuses_is_one_config_error_naming_the_model(monkey
 
     cfg = typed_config(["model=swin_tiny", "dataset=synthetic_image"]).model
     assert build_on_meta(cfg).patch_embed.proj.weight.is_meta
+    assert build_on_meta(cfg) is build_on_meta(cfg)  # built once for one config
+    monkeypatch.setattr(sdp.models, "_META", {})  # a config not built yet
 
     class UpstreamError(ValueError):
         __module__ = "timm.layers"
