@@ -26,6 +26,7 @@ import sdp.estimate
 import sdp.launching.sweep
 import sdp.launching.torchrun
 import sdp.plan
+import sdp.planning.planner
 import sdp.run.runner
 from sdp import collect, export, train
 
@@ -226,7 +227,7 @@ def sentinels(monkeypatch, tmp_path):
     monkeypatch.setattr(sdp.run.runner, "run", _accepted)
     monkeypatch.setattr(sdp.launching.torchrun, "_run_agent", _accepted)
     monkeypatch.setattr(sdp.estimate, "estimate", _accepted)
-    monkeypatch.setattr(sdp.plan, "search", _accepted)
+    monkeypatch.setattr(sdp.planning.planner, "search", _accepted)
     monkeypatch.setattr(sdp.launching.sweep, "launch", _accepted)
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)

@@ -8,6 +8,8 @@ import pytest
 import sdp.estimate
 import sdp.plan
 from sdp import collect, export, train
+from sdp.planning.options import parse_against, parse_estimate
+from sdp.planning.planner import prepare
 from sdp.run.config import load_config
 
 COMMANDS = {
@@ -38,9 +40,9 @@ def test_the_estimators_examples_compose_and_pass_its_checks():
     examples = _examples(sdp.estimate.USAGE.text(), "sdp.estimate")
     assert len(examples) == 3
     against = [argv for argv in examples if argv[0] == "--against"]
-    assert [sdp.estimate.parse_against(argv)[1:] for argv in against] == [("all", None)]
+    assert [parse_against(argv)[1:] for argv in against] == [("all", None)]
     for argv in [argv for argv in examples if argv not in against]:
-        args = sdp.estimate.parse_args(argv)
+        args = parse_estimate(argv)
         load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
 
 
@@ -49,7 +51,7 @@ def test_the_planners_examples_pass_its_checks(tmp_path, monkeypatch):
     examples = _examples(sdp.plan.USAGE.text(), "sdp.plan")
     assert len(examples) == 2
     for argv in examples:
-        sdp.plan.prepare(argv)  # every refusal of a bad input, before any trace
+        prepare(argv)  # every refusal of a bad input, before any trace
 
 
 def test_export_without_a_run_dir_says_what_it_needs(capsys):

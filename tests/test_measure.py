@@ -5,8 +5,9 @@ import torch
 from conftest import estimator_config, launch, read_run
 
 from sdp.errors import ConfigError
-from sdp.estimate import main, parse_args
+from sdp.estimate import main
 from sdp.planning.estimator import EstimateError, estimate
+from sdp.planning.options import parse_estimate as parse_args
 from sdp.run.trainer import forward_loss
 
 EMPTY_KINDS = {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporaries": 0}

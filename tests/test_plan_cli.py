@@ -11,7 +11,9 @@ import pytest
 from conftest import job_env, read_run
 
 from sdp.estimate import main as estimate_main
-from sdp.plan import describe_devices, main, nothing_fits, parse_args
+from sdp.plan import main
+from sdp.planning.options import parse_plan as parse_args
+from sdp.planning.planner import describe_devices, nothing_fits
 from sdp.planning.report import CITED, caveat, sources
 from sdp.planning.space import Structure
 
@@ -71,7 +73,7 @@ GLOO = "parallelism.comm_group_overhead_mb=0"  # gloo's process groups take no d
     ],
 )
 def test_bad_input_is_one_line_before_any_trace(argv, error, capsys, monkeypatch):
-    monkeypatch.setattr("sdp.plan.search", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr("sdp.planning.planner.search", lambda *a, **k: pytest.fail("searched"))
     assert main([*TINY, *argv]) == 2
     assert capsys.readouterr().err.strip() == error
 
@@ -180,7 +182,7 @@ def test_devices_are_described_in_runs():
 def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from sdp import plan
+    from sdp.planning import planner as plan
 
     def row(run, headroom, step):
         return {"run": run, "fits": True, "headroom": headroom, "step_s": step, "method": "layers 3 and 4"}
@@ -225,3 +227,14 @@ def test_nothing_fits_suggests_only_a_coverage_the_world_gives_and_was_not_searc
     line = nothing_fits(args, [_miss(c) for c in coverages] + [_miss(1.0, masking="none")])
     assert line.startswith("devices='4x10': nothing fits: the smallest peak is 16 GiB on a 10 GiB GPU (N-SDP")
     assert line.endswith(f"or {hint}") if hint else "coverage" not in line.split("; to fit, try ")[1]
+
+
+@pytest.mark.parametrize(
+    ("command", "first"), [(main, ["devices=2x80", "objective=memory"]), (estimate_main, ["world_size=2"])]
+)
+@pytest.mark.parametrize("machine", ["nodes=2", "cluster.efficiency=0.5"])
+def test_both_commands_read_the_machine_alike(command, first, machine, capsys):
+    """sdp.plan and sdp.estimate share one parser (sdp.planning.options): the same refusal."""
+    assert command([*TINY, *first, machine]) == 2
+    key = machine.partition("=")[0]
+    assert capsys.readouterr().err == f"error: cluster=None: is required with {key}=: name the machine (cluster=NAME)\n"

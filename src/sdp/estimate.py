@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
@@ -30,14 +28,12 @@ from sdp.outer import is_outer
 from sdp.paths import check_output_file
 from sdp.planning.against import compare, finished_run, format_against, measured_ranks
 from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
-from sdp.planning.step_time import Cluster, format_step_times, load_cluster, place, step_times
+from sdp.planning.options import MAX_RANKS, EstimateArgs, parse_against, parse_estimate
+from sdp.planning.step_time import format_step_times, step_times
 from sdp.run.config import RunConfig, load_config
 from sdp.rundir import write_error
 from sdp.subnet import is_sdp
 from sdp.subnet.capacity import listed
-
-RANK_CHOICES = ("busiest", "all")
-MAX_RANKS = 65536  # more than any cluster the step-time model describes
 
 USAGE = Usage(
     usage="python -m sdp.estimate [group=option ...] [key=value ...] world_size=K [rank=R|busiest|all]\n"
@@ -64,55 +60,6 @@ USAGE = Usage(
         "python -m sdp.estimate --against outputs/llama_tiny-synthetic_text-none",
     ],
 )
-
-
-@dataclass
-class EstimateArgs:
-    overrides: list[str]
-    world_size: int
-    rank: str  # an integer, busiest or all
-    out: Path | None
-    cluster: Cluster | None = None  # cluster=NAME: also model the step time there
-
-
-def parse_args(argv: list[str]) -> EstimateArgs:
-    """Split the estimator's own arguments (world_size=, rank=, out=, cluster=, nodes=,
-    cluster.KEY=) from the run's overrides."""
-    own = {"world_size": None, "rank": "busiest", "out": None, "cluster": None, "nodes": None}
-    overrides, cluster_keys = [], {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in own:
-            own[key] = value
-        elif sep and key.startswith("cluster."):
-            cluster_keys[key.removeprefix("cluster.")] = value
-        else:
-            overrides.append(arg)
-    cluster = None
-    if own["cluster"] is not None:
-        cluster = load_cluster(own["cluster"], cluster_keys)
-    elif cluster_keys:
-        raise ConfigError("cluster", None, f"is required with cluster.{next(iter(cluster_keys))}=")
-    nodes = _positive("nodes", own["nodes"]) if own["nodes"] is not None else None
-    if own["world_size"] is None and cluster is not None and nodes is not None:
-        own["world_size"] = str(nodes * cluster.devices_per_node)  # every device of the nodes
-    if own["world_size"] is None:
-        raise ConfigError("world_size", None, "is required: world_size=K, the number of workers to play")
-    k = _positive("world_size", own["world_size"])
-    if cluster is not None:
-        place(cluster, world_size=k, nodes=nodes)
-    elif nodes is not None:
-        raise ConfigError("nodes", nodes, "applies with cluster=NAME only")
-    rank = own["rank"]
-    if rank not in RANK_CHOICES and not (rank.isdigit() and int(rank) < k):
-        raise ConfigError("rank", rank, f"allowed: an integer in [0, {k - 1}], {', '.join(RANK_CHOICES)}")
-    return EstimateArgs(overrides, k, rank, Path(own["out"]) if own["out"] else None, cluster)
-
-
-def _positive(key: str, value: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= MAX_RANKS:
-        raise ConfigError(key, value, f"must be an integer in [1, {MAX_RANKS}]")
-    return int(value)
 
 
 def ddp_overrides(overrides: list[str]) -> list[str]:
@@ -163,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--against" in argv or any(a.startswith("--against=") for a in argv):
         return against_main(argv)
     try:
-        args = parse_args(argv)
+        args = parse_estimate(argv)
         cfg = load_config(args.overrides, world_size=args.world_size, offline=True, check_data=False)
         if args.out:  # a place that cannot take the result is refused before the trace, not after
             check_output_file("out", args.out)
@@ -201,31 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {write_error(err, args.out)}", file=sys.stderr)
             return 2
     return 0
-
-
-def parse_against(argv: list[str]) -> tuple[Path, str, Path | None]:
-    """--against RUN_DIR (or --against=RUN_DIR), rank= and out=; anything else is refused: the
-    run's own config is what is estimated."""
-    run_dir, own, rest = None, {"rank": "all", "out": None}, list(argv)
-    while rest:
-        arg = rest.pop(0)
-        if arg == "--against":
-            if not rest:
-                raise ConfigError("--against", None, "needs a run dir: --against RUN_DIR")
-            run_dir = rest.pop(0)
-        elif arg.startswith("--against="):
-            run_dir = arg.partition("=")[2]
-        elif arg.partition("=")[0] in own and "=" in arg:
-            own[arg.partition("=")[0]] = arg.partition("=")[2]
-        else:
-            raise ConfigError(
-                arg.partition("=")[0],
-                arg.partition("=")[2] or None,
-                "is not taken with --against: the run's own config is estimated (allowed: rank=, out=)",
-            )
-    if not run_dir:
-        raise ConfigError("--against", run_dir, "needs a run dir: --against RUN_DIR")
-    return Path(run_dir), own["rank"], Path(own["out"]) if own["out"] else None
 
 
 def against_main(argv: list[str]) -> int:
