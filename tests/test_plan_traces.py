@@ -66,6 +66,7 @@ def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tm
         plans.append(([int(c) for c in counts], json.loads((out_dir / "plan.json").read_text())))
     ([made, read], first), ([made_again, read_again], second) = plans
     assert made > 0 and read == 0 and made_again == 0 and read_again == made
+    assert (first["traces"], second["traces"]) == ({"made": made, "read": 0}, {"made": 0, "read": made})
     assert [r["run"] for r in first["rows"]] == [r["run"] for r in second["rows"]]
     for a, b in zip(first["rows"], second["rows"], strict=True):
         assert (a.get("micro_batch"), a.get("peaks_bytes")) == (b.get("micro_batch"), b.get("peaks_bytes")), a["run"]
