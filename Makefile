@@ -88,8 +88,10 @@ plans: setup
 	$(LOWCOMM_PLAN) cluster=h100_eth1g nodes=2 out=results/plan/lowcomm_h100_eth1g
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --sample 3
 
-plan-check: setup  # every row of the 8 x 80 GB plan against a whole trace (~10 min here)
+plan-check: setup  # every row of the three llama_1b plans against whole traces (~6 + 10 + 30 min here)
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --out results/plan/nvlink/check.json
+	$(PY) scripts/plan_check.py results/plan/ib/plan.json --out results/plan/ib/check.json
+	$(PY) scripts/plan_check.py results/plan/mixed/plan.json --out results/plan/mixed/check.json
 
 clean:
 	rm -rf outputs .pytest_cache
