@@ -1,5 +1,6 @@
 """`python -m sdp.plan`: its refusals, a tiny plan checked against sdp.estimate, and its top row run."""
 
+import dataclasses
 import json
 import re
 import shlex
@@ -15,6 +16,7 @@ from sdp.plan import main
 from sdp.planning.options import parse_plan as parse_args
 from sdp.planning.planner import describe_devices, nothing_fits
 from sdp.planning.report import CITED, caveat, sources
+from sdp.planning.rows import Row
 from sdp.planning.space import Structure
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
@@ -184,35 +186,28 @@ def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
 
     from sdp.planning import planner as plan
 
-    def row(run, headroom, step):
-        return {"run": run, "fits": True, "headroom": headroom, "step_s": step, "method": "layers 3 and 4"}
+    def row(parallelism, headroom, step):  # a fitting row, its one rank that full of an 80 GiB GPU
+        peak = round((1 - headroom) * 80 * 2**30)
+        s = Structure(parallelism=parallelism)
+        return Row(s, 0.0, fits=True, peaks_bytes={0: peak}, devices_gib={0: 80.0}, step_s=step, method="layers 3")
 
     def verify(top, cfg, *, devices, trace):  # a whole trace that finds the row over its GPU
-        return {**top, "fits": False, "method": "traced whole (verified)", "busiest_rank": 0, "peak_gib": 81.0}
+        return dataclasses.replace(top, fits=False, method="traced whole (verified)", peaks_bytes={0: 81 * 2**30})
 
     monkeypatch.setattr(plan, "verify", verify)
     args = SimpleNamespace(objective="speed", devices=[80.0])
-    roomy = [row("a", 0.5, 1.0), row("b", 0.01, 2.0)]
-    assert [r["run"] for r in plan.verified(roomy, {}, lambda s: None, args)] == ["a", "b"]
-    close = [row("a", 0.029, 1.0), row("b", 0.5, 2.0)]
-    close[0]["peaks_bytes"] = {0: 78 * 2**30}
-    assert [r["run"] for r in plan.verified(close, {"a": None}, lambda s: None, args)] == ["b"]
-    assert "top row traced whole: a, peak 81 GiB (the line's 78): it does not fit, next" in capsys.readouterr().out
+    roomy = [row("ddp", 0.5, 1.0), row("fsdp", 0.01, 2.0)]
+    assert [r.run for r in plan.verified(roomy, lambda s: None, args)] == ["DDP", "FSDP"]
+    close = [row("ddp", 0.025, 1.0), row("fsdp", 0.5, 2.0)]
+    assert [r.run for r in plan.verified(close, lambda s: None, args)] == ["FSDP"]
+    assert "top row traced whole: DDP, peak 81 GiB (the line's 78): it does not fit, next" in capsys.readouterr().out
 
 
-def _miss(coverage: float, *, masking: str = "forward") -> dict:
-    """A row that does not fit, as sdp.planning.report.row writes one."""
+def _miss(coverage: float, *, masking: str = "forward") -> Row:
+    """A row that does not fit, as sdp.planning.report.row makes one: 16 GiB on a 10 GiB GPU."""
     breakdown = {"weights": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 10.0, "temporaries": 2.0, "total": 16.0}
-    return {
-        "run": f"N-SDP {masking} C={coverage:g}",
-        "structure": {"masking": masking, "coverage": coverage},
-        "fits": False,
-        "headroom": -0.2 * coverage,
-        "peak_gib": 16.0,
-        "devices_gib": [10.0] * 4,
-        "busiest_rank": 0,
-        "breakdown_gib": breakdown,
-    }
+    s = Structure(masking=masking, coverage=coverage)
+    return Row(s, 0.0, peaks_bytes={0: 16 * 2**30}, devices_gib={0: 10.0}, breakdown_gib=breakdown)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from sdp.errors import ConfigError
 from sdp.planning.estimator import estimate
 from sdp.planning.fit import GIB, fit, fit_peak
 from sdp.planning.report import ranked, row
+from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer, families, search, verify
 from sdp.planning.space import Structure, outer_free, structures
 from sdp.planning.step_time import load_cluster, place
@@ -86,13 +87,15 @@ def test_families_share_all_but_coverage_and_checkpointing():
 def test_verify_puts_whole_traces_in_place_of_the_lines_peaks():
     # 8 samples a rank at micro-batch 2: 4 accumulation steps, traced whole as 2 (the same peak).
     cfg = estimator_config([*TINY, "model.num_layers=6", "trainer.grad_accum_steps=4"], 2)
-    row = {"run": "DDP", "micro_batch": 2, "peaks_bytes": {"0": 1}, "method": "layers 3 and 4, extended to 6"}
+    method = "layers 3 and 4, extended to 6"
+    row = Row(Structure(), 0.0, fits=True, micro_batch=2, peaks_bytes={0: 1}, devices_gib={0: 80.0}, method=method)
     whole = estimate(cfg, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]
     out = verify(row, cfg, devices=[80.0, 80.0])
-    assert out["peaks_bytes"] == {0: whole} and out["line_peaks_bytes"] == {"0": 1} and out["fits"]
-    assert out["method"] == "traced whole (verified)"
+    assert out.peaks_bytes == {0: whole} and out.line_peaks_bytes == {0: 1} and out.fits
+    assert out.method == "traced whole (verified)"
     tight = verify(row, cfg, devices=[whole / GIB / 1.01] * 2)  # 1% too small
-    assert not tight["fits"] and tight["headroom"] == pytest.approx(-0.01, abs=1e-4)
+    assert not tight.fits and tight.headroom == pytest.approx(-0.01, abs=1e-4)
+    assert tight.devices_gib == {0: whole / GIB / 1.01}
 
 
 def test_an_outer_loops_copies_are_the_configs_the_entrypoint_loads():
@@ -159,10 +162,10 @@ def test_an_outer_loop_at_another_h_is_derived_from_one_fit(slow_and_fast):
 def test_on_a_slow_link_the_top_row_communicates_less_and_on_nvlink_the_usual_one(slow_and_fast):
     tops = {}
     for name, (outcomes, _, _) in slow_and_fast.items():
-        facts = {"overrides": TINY, "world": 16, "protocol": "same_iteration", "unit": "tokens", "per_step": 1}
+        facts = RunFacts(TINY, world=16, protocol="same_iteration", unit="tokens", per_step=1)
         rows = [row(o, run=facts, cluster_nodes=1) for o in outcomes]
-        tops[name] = [r["run"] for r in ranked(rows, objective="speed")]
-        sent = {r["run"]: r["comm_bytes_per_step"] for r in rows}
+        tops[name] = [r.run for r in ranked(rows, objective="speed")]
+        sent = {r.run: r.comm_bytes_per_step for r in rows}
         # Each row states its bytes per step: a sync sends what a DDP step does, once a window.
         assert sent["DDP"] == 10 * sent["DDP + DiLoCo(H=10)"] > 0  # H = 10: fitted
         assert sent["DDP + DiLoCo(H=100)"] == pytest.approx(sent["DDP"] / 100, rel=1e-12)  # derived
@@ -170,8 +173,14 @@ def test_on_a_slow_link_the_top_row_communicates_less_and_on_nvlink_the_usual_on
     assert tops["h100_eth1g"] == ["DDP + DiLoCo(H=100)", "DDP + DiLoCo(H=10)", "DDP"]
 
 
-def _row(run: str, step: float, sync_every: int | None) -> dict:
-    return {"run": run, "fits": True, "headroom": 0.5, "step_s": step, "structure": {"sync_every": sync_every}}
+def _row(step: float, sync_every: int | None) -> Row:
+    """A DDP row that fits, half its 80 GiB GPU free, with an outer loop's H (None: none)."""
+    s = Structure(sync_every=sync_every)
+    return Row(s, 0.0, fits=True, peaks_bytes={0: 40 * 2**30}, devices_gib={0: 80.0}, step_s=step)
+
+
+def _names(rows: list[Row]) -> list[str]:
+    return [f"H={r.sync_every}" if r.sync_every else "plain" for r in rows]
 
 
 @pytest.mark.parametrize(
@@ -183,8 +192,7 @@ def _row(run: str, step: float, sync_every: int | None) -> dict:
     ],
 )
 def test_more_local_steps_rank_first_only_where_they_save_a_tenth_of_the_step(steps, order):
-    names, local = ("plain", "H=10", "H=100"), (None, 10, 100)
-    rows = [_row(name, step, h) for name, step, h in zip(names, steps, local, strict=True)]
-    assert [r["run"] for r in ranked(rows, objective="speed")] == order
-    same = [_row("H=10", 1.0, 10), _row("plain", 1.0, None)]
-    assert [r["run"] for r in ranked(same, objective="memory")] == ["plain", "H=10"]
+    rows = [_row(step, h) for step, h in zip(steps, (None, 10, 100), strict=True)]
+    assert _names(ranked(rows, objective="speed")) == order
+    same = [_row(1.0, 10), _row(1.0, None)]
+    assert _names(ranked(same, objective="memory")) == ["plain", "H=10"]

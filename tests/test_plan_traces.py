@@ -10,6 +10,7 @@ from conftest import estimator_config
 from sdp.plan import main
 from sdp.planning import traces
 from sdp.planning.estimator import estimate
+from sdp.planning.rows import Row, RunFacts
 from sdp.planning.traces import TraceCache
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
@@ -70,3 +71,8 @@ def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tm
     assert [r["run"] for r in first["rows"]] == [r["run"] for r in second["rows"]]
     for a, b in zip(first["rows"], second["rows"], strict=True):
         assert (a.get("micro_batch"), a.get("peaks_bytes")) == (b.get("micro_batch"), b.get("peaks_bytes")), a["run"]
+    # plan.json's rows are the typed rows written out: read back, they write the same file.
+    unit = first["run"]["unit"]
+    again = [Row.from_json(r, unit).to_json(unit) for r in first["rows"]]
+    assert json.loads(json.dumps(again)) == first["rows"] and any("step_s" in r for r in first["rows"])
+    assert RunFacts.from_json(first["run"]).to_json() == first["run"]

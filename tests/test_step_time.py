@@ -111,7 +111,8 @@ def test_nodes_spread_the_ranks():
     with pytest.raises(ConfigError, match=r"^nodes=1: puts 16 ranks on a node of 8 devices .*allowed: 2 nodes"):
         place(cluster, world_size=16, nodes=1)
     assert parse_args(["cluster=h100_ib", "nodes=2"]).world_size == 16  # every device of the nodes
-    with pytest.raises(ConfigError, match=r"^cluster=None: is required with nodes=: name the machine \(cluster=NAME\)$"):
+    machine = r"^cluster=None: is required with nodes=: name the machine \(cluster=NAME\)$"
+    with pytest.raises(ConfigError, match=machine):
         parse_args(["world_size=4", "nodes=2"])
     # Before: 8 ranks on 3 nodes were placed 3, 3, 2; torchrun starts the same number on each.
     with pytest.raises(ConfigError, match=r"^nodes=3: must divide world_size=8 .*allowed: \[1, 2, 4, 8\]$"):

@@ -23,6 +23,7 @@ from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
 from sdp.planning.options import PlanArgs, parse_plan
 from sdp.planning.report import format_rows, nearest_miss, plot, ranked, row, sources, write_json
+from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer, Outcome, search, verify
 from sdp.planning.space import SYNC_EVERY, Structure, structures
 from sdp.planning.traces import TraceCache
@@ -39,9 +40,9 @@ class Plan:
 
     args: PlanArgs
     title: str
-    rows: list[dict]
-    best: list[dict]
-    facts: dict
+    rows: list[Row]
+    best: list[Row]
+    facts: RunFacts
     seconds: float
     made: int
     read: int
@@ -54,7 +55,7 @@ class Plan:
         return f"traces: {self.made} made, {self.read} read from {where}"
 
     def table(self) -> str:
-        return format_rows(self.best, unit=self.facts["unit"], top=self.args.top)
+        return format_rows(self.best, unit=self.facts.unit, top=self.args.top)
 
 
 def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
@@ -117,51 +118,45 @@ def make_plan(
     facts = run_facts(args, plain)
     rows = [row(o, run=facts, cluster_nodes=args.nodes) for o in outcomes]
     searched = (traces.made, traces.read)  # the workers' traces are counted in their outcomes
-    best = verified(rows, {o.structure.label: o.structure for o in outcomes}, composer, args, traces=traces, say=say)
+    best = verified(rows, composer, args, traces=traces, say=say)
     made = sum(o.traces[0] for o in outcomes) + traces.made - searched[0]
     read = sum(o.traces[1] for o in outcomes) + traces.read - searched[1]
     return Plan(args, header(args, plain, len(space)), rows, best, facts, seconds, made, read)
 
 
 def verified(
-    rows: list[dict],
-    structures: dict,
+    rows: list[Row],
     composer: Composer,
     args: PlanArgs,
     *,
     traces: TraceCache | None = None,
     say: Callable[[str], None] = print,
-) -> list[dict]:
+) -> list[Row]:
     """The ranking, its top row's peaks from whole traces (every layer) when they came from a
     line and leave less than CLOSE of its GPU free: the line is within CLOSE of the whole trace
     (docs/plan.md), so only a row that close to full could be wrong about fitting. A top row
     that then does not fit leaves the top, up to VERIFIED times."""
     for _ in range(VERIFIED):
         best = ranked(rows, objective=args.objective)
-        if not best or best[0]["method"].startswith("traced") or best[0]["headroom"] >= CLOSE:
+        if not best or best[0].method.startswith("traced") or best[0].headroom >= CLOSE:
             return best
         top = best[0]
-        checked = verify(top, composer(structures[top["run"]]), devices=args.devices, trace=traces or TraceCache(None))
+        checked = verify(top, composer(top.structure), devices=args.devices, trace=traces or TraceCache(None))
         rows[rows.index(top)] = checked
-        line = top["peaks_bytes"][checked["busiest_rank"]] / GIB
+        line = top.peaks_bytes[checked.busiest_rank] / GIB
         say(
-            f"top row traced whole: {checked['run']}, peak {checked['peak_gib']:.3g} GiB (the line's "
-            f"{line:.3g}){'' if checked['fits'] else ': it does not fit, next'}"
+            f"top row traced whole: {checked.run}, peak {checked.peak_gib:.3g} GiB (the line's "
+            f"{line:.3g}){'' if checked.fits else ': it does not fit, next'}"
         )
     return ranked(rows, objective=args.objective)
 
 
-def run_facts(args: PlanArgs, cfg: RunConfig) -> dict:
+def run_facts(args: PlanArgs, cfg: RunConfig) -> RunFacts:
     """What every row shares: the user's overrides, the world, the work of a step."""
     text = cfg.dataset.kind == "text"
     per_step = cfg.trainer.global_batch_size * (cfg.dataset.seq_len if text else 1)
-    return {
-        "overrides": args.overrides,
-        "world": len(args.devices),
-        "protocol": cfg.trainer.protocol,
-        "unit": "tokens" if text else "samples",
-        "per_step": per_step,
-    }
+    unit = "tokens" if text else "samples"
+    return RunFacts(list(args.overrides), len(args.devices), cfg.trainer.protocol, unit, per_step)
 
 
 def describe_devices(devices: list[float]) -> str:
@@ -193,33 +188,33 @@ def progress_line(outcome: Outcome, done: int, total: int) -> None:
     print(f"[{done}/{total}] {label}: {what}", file=sys.stderr, flush=True)
 
 
-def summary(rows: list[dict], best: list[dict], *, seconds: float, workers: int) -> str:
-    refused = sum("refused" in r for r in rows)
+def summary(rows: list[Row], best: list[Row], *, seconds: float, workers: int) -> str:
+    refused = sum(not r.traced for r in rows)
     missing = len(rows) - len(best) - refused
-    probes = sum(r.get("probes", 0) for r in rows)
+    probes = sum(r.probes for r in rows)
     lines = [
         f"searched {len(rows)} structures in {seconds:.0f} s ({workers} processes, {probes} micro-batches "
         f"traced): {len(best)} fit, {missing} do not, {refused} refused by the entrypoint's checks"
     ]
     miss = nearest_miss(rows)
     if miss is not None:
-        gib = miss["devices_gib"][miss["busiest_rank"]]
+        gib = miss.devices_gib[miss.busiest_rank]
         lines.append(
-            f"nearest miss: {miss['run']}, {miss['peak_gib']:.2f} GiB on rank {miss['busiest_rank']}'s "
-            f"{gib:g} GiB at micro-batch 1 ({-miss['headroom']:.1%} over)"
+            f"nearest miss: {miss.run}, {miss.peak_gib:.2f} GiB on rank {miss.busiest_rank}'s "
+            f"{gib:g} GiB at micro-batch 1 ({-miss.headroom:.1%} over)"
         )
     lines.append(f"caveats cite claims by number: {sources()}")
     return "\n".join(lines)
 
 
-def nothing_fits(args: PlanArgs, rows: list[dict]) -> str:
+def nothing_fits(args: PlanArgs, rows: list[Row]) -> str:
     """The one-line refusal when no row fits: the smallest peak and what would make it fit."""
     miss = nearest_miss(rows)
     if miss is None:
-        first = next(r["refused"] for r in rows)
+        first = next(r.refused for r in rows)
         return f"devices={args.devices_text!r}: nothing can be planned: every structure is refused, e.g. {first}"
-    gib, b = miss["devices_gib"][miss["busiest_rank"]], miss["breakdown_gib"]
-    static = b["weights"] + b["grads"] + b["optimizer"] + (miss["peak_gib"] - b["total"])
+    gib, b = miss.devices_gib[miss.busiest_rank], miss.breakdown_gib
+    static = b["weights"] + b["grads"] + b["optimizer"] + (miss.peak_gib - b["total"])
     ways = []
     if static < gib:
         share = (gib - static) / max(b["activations"] + b["temporaries"], 1e-9)
@@ -227,13 +222,12 @@ def nothing_fits(args: PlanArgs, rows: list[dict]) -> str:
     else:
         ways.append(f"more devices (weights, gradients, optimizer state and communicators alone take {static:.3g} GiB)")
     k = len(args.devices)
-    searched = [r["structure"]["coverage"] for r in rows if r["structure"]["masking"] != "none"]
+    searched = [r.structure.coverage for r in rows if r.structure.masking != "none"]
     if searched and 1 / k < min(c for c in searched if c) - 1e-9:  # r / K: 1 / K is the lowest K gives
         ways.append(f"a lower coverage (min_coverage={1 / k:g} coverages=all: C = 1/{k} is the lowest {k} GPUs give)")
     return (
-        f"devices={args.devices_text!r}: nothing fits: the smallest peak is {miss['peak_gib']:.3g} GiB on a "
-        f"{gib:g} GiB GPU ({miss['run']}, micro-batch 1, rank {miss['busiest_rank']}); to fit, try "
-        + ", or ".join(ways)
+        f"devices={args.devices_text!r}: nothing fits: the smallest peak is {miss.peak_gib:.3g} GiB on a "
+        f"{gib:g} GiB GPU ({miss.run}, micro-batch 1, rank {miss.busiest_rank}); to fit, try " + ", or ".join(ways)
     )
 
 
@@ -246,11 +240,11 @@ def save(plan: Plan) -> list[str]:
         "cluster": None if plan.args.cluster is None else plan.args.cluster.name,
         "nodes": plan.args.nodes,
         "objective": plan.args.objective,
-        "run": plan.facts,
+        "run": plan.facts.to_json(),
         "search_s": round(plan.seconds, 1),
         "traces": {"made": plan.made, "read": plan.read},
-        "ranked": [r["run"] for r in plan.best],
-        "rows": plan.rows,
+        "ranked": [r.run for r in plan.best],
+        "rows": [r.to_json(plan.facts.unit) for r in plan.rows],
     }
     write_json(out / "plan.json", payload)
     plot(plan.rows, out / "pareto.png", title=plan.title)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from sdp.planning.fit import GIB
+from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
 
@@ -56,74 +57,57 @@ def caveat(s: Structure, *, protocol: str) -> str:
     return "; ".join([*notes, outer] if outer else notes)
 
 
-def row(outcome: Outcome, *, run: dict, cluster_nodes: int) -> dict:
+def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
     """One structure's row: what it is, whether and how it fits, its step, its command."""
     s, found = outcome.structure, outcome.found
-    out = {"run": s.label, "structure": _structure(s), "seconds": round(outcome.seconds, 2)}
     if found is None:
-        return {**out, "fits": False, "refused": outcome.reason}
+        return Row(s, round(outcome.seconds, 2), refused=outcome.reason)
     ests = found.estimates
     busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
-    out |= {
-        "fits": found.fits,
-        "micro_batch": found.micro,
-        "accum": found.accum,
-        "peaks_bytes": found.peaks,
-        "peaks_gib": {r: round(p / GIB, 3) for r, p in found.peaks.items()},
-        "devices_gib": found.gib,
-        "busiest_rank": busiest,
-        "peak_gib": round(found.peaks[busiest] / GIB, 3),
-        "headroom": round(found.headroom, 4),
-        "breakdown_gib": {k: round(v / GIB, 3) for k, v in ests[busiest]["memory"]["peak_breakdown"].items()},
-        "comm_groups": ests[busiest]["memory"]["comm_groups"],
-        "method": ests[busiest]["method"],
-        "comm_bytes_per_step": ests[busiest]["comm_bytes_per_step"],
-        "probes": found.probes,
-        "caveat": caveat(s, protocol=run["protocol"]),
-    }
+    memory = ests[busiest]["memory"]
+    out = Row(
+        s,
+        round(outcome.seconds, 2),
+        fits=found.fits,
+        micro_batch=found.micro,
+        accum=found.accum,
+        peaks_bytes=found.peaks,
+        devices_gib=found.gib,
+        breakdown_gib={k: round(v / GIB, 3) for k, v in memory["peak_breakdown"].items()},
+        comm_groups=memory["comm_groups"],
+        method=ests[busiest]["method"],
+        comm_bytes_per_step=ests[busiest]["comm_bytes_per_step"],
+        probes=found.probes,
+        caveat=caveat(s, protocol=run.protocol),
+    )
     if found.fits:
-        out["command"] = command(run["overrides"], s, nproc=run["world"], accum=found.accum, nnodes=cluster_nodes)
+        out.command = command(run.overrides, s, nproc=run.world, accum=found.accum, nnodes=cluster_nodes)
         if found.step is not None:
-            out["step_s"] = found.step["step_overlapped_s"]
-            out["exposed_comm_s"] = found.step["exposed_overlapped_s"]
-            out[f"{run['unit']}_per_s"] = run["per_step"] / found.step["step_overlapped_s"]
+            out.step_s = found.step["step_overlapped_s"]
+            out.exposed_comm_s = found.step["exposed_overlapped_s"]
+            out.per_s = run.per_step / found.step["step_overlapped_s"]
     return out
 
 
-def _structure(s: Structure) -> dict:
-    return {
-        "parallelism": s.parallelism,
-        "masking": s.masking,
-        "granularity": s.granularity if s.masking != "none" else None,
-        "coverage": s.coverage,
-        "capacity": None if s.capacity is None else list(s.capacity),
-        "fsdp_degree": s.fsdp_degree,
-        "activation_checkpointing": s.checkpointing,
-        "mixed_precision": s.precision,
-        "sync_every": s.sync_every,
-    }
-
-
-def ranked(rows: list[dict], *, objective: str) -> list[dict]:
+def ranked(rows: list[Row], *, objective: str) -> list[Row]:
     """The rows that fit, best first: the fastest step (speed), or the smallest share of its
     GPU on the busiest rank (memory), ties broken by the other, then by fewer local steps. For
     speed, local steps must pay for themselves (`_local_steps_pay`)."""
-    fitting = [r for r in rows if r["fits"]]
-    slow = float("inf")
+    fitting = [r for r in rows if r.fits]
     if objective == "speed":
-        return _local_steps_pay(sorted(fitting, key=lambda r: (r.get("step_s", slow), 1 - r["headroom"])))
-    return sorted(fitting, key=lambda r: (1 - r["headroom"], r.get("step_s", slow), _local(r)))
+        return _local_steps_pay(sorted(fitting, key=lambda r: (_step(r), 1 - r.headroom)))
+    return sorted(fitting, key=lambda r: (1 - r.headroom, _step(r), r.sync_every))
 
 
 LOCAL_STEPS_GAIN = 0.10  # the share of the step an outer loop's longer H must save to rank first
 
 
-def _local(r: dict) -> int:
-    """The inner steps between a row's syncs: 0 for a plain run (it averages every step)."""
-    return (r.get("structure") or {}).get("sync_every") or 0
+def _step(r: Row) -> float:
+    """The row's step, infinite without a cluster (memory only)."""
+    return float("inf") if r.step_s is None else r.step_s
 
 
-def _local_steps_pay(by_step: list[dict]) -> list[dict]:
+def _local_steps_pay(by_step: list[Row]) -> list[Row]:
     """Rows sorted by step, re-ranked so that more local steps come first only where they make
     the step LOCAL_STEPS_GAIN faster: each next row is, of those within that share of the fastest
     row left, the one with the fewest local steps (a plain run first), then the fastest. An
@@ -131,41 +115,42 @@ def _local_steps_pay(by_step: list[dict]) -> list[dict]:
     nearly free, the usual row stays on top; on slow links the low-communication one takes it."""
     left, out = list(by_step), []
     while left:
-        bound = left[0].get("step_s", float("inf")) * (1 + LOCAL_STEPS_GAIN)
-        near = [r for r in left if r.get("step_s", float("inf")) <= bound]
-        pick = min(near, key=_local)  # min keeps the first (fastest) of equal local steps
+        bound = _step(left[0]) * (1 + LOCAL_STEPS_GAIN)
+        near = [r for r in left if _step(r) <= bound]
+        pick = min(near, key=lambda r: r.sync_every)  # min keeps the first (fastest) of equal local steps
         out.append(pick)
         left.remove(pick)
     return out
 
 
-def nearest_miss(rows: list[dict]) -> dict | None:
+def nearest_miss(rows: list[Row]) -> Row | None:
     """The traced row that does not fit whose busiest rank is over by the smallest share."""
-    misses = [r for r in rows if not r["fits"] and "refused" not in r]
-    return max(misses, key=lambda r: r["headroom"]) if misses else None
+    misses = [r for r in rows if not r.fits and r.traced]
+    return max(misses, key=lambda r: r.headroom) if misses else None
 
 
-def _peaks(r: dict) -> str:
-    if len(r["peaks_gib"]) == 1:
-        (rank, peak), gib = next(iter(r["peaks_gib"].items())), r["devices_gib"][r["busiest_rank"]]
-        return f"{peak:.3g} / {gib:g} (r{rank})"
-    return ", ".join(f"r{k} {v:.3g}/{r['devices_gib'][k]:g}" for k, v in r["peaks_gib"].items())
+def _peaks(r: Row) -> str:
+    gib = {rank: round(p / GIB, 3) for rank, p in r.peaks_bytes.items()}
+    if len(gib) == 1:
+        (rank, peak), device = next(iter(gib.items())), r.devices_gib[r.busiest_rank]
+        return f"{peak:.3g} / {device:g} (r{rank})"
+    return ", ".join(f"r{k} {v:.3g}/{r.devices_gib[k]:g}" for k, v in gib.items())
 
 
-def format_rows(best: list[dict], *, unit: str, top: int) -> str:
+def format_rows(best: list[Row], *, unit: str, top: int) -> str:
     """The ranked rows, each followed by its command."""
     lines = [
         f"  {'#':>3}  {'run':<50} {'micro x acc':>11}  {'peak GiB (rank)':<24} {'free':>5}  "
         f"{'step s':>8}  {unit + '/s':>12}  {'sent MiB/step':>13}  caveat (claims)"
     ]
     for i, r in enumerate(best[:top], 1):
-        step = f"{r['step_s']:8.4f}" if "step_s" in r else f"{'-':>8}"
-        rate = f"{r[f'{unit}_per_s']:12,.0f}" if "step_s" in r else f"{'-':>12}"
+        step = f"{'-':>8}" if r.step_s is None else f"{r.step_s:8.4f}"
+        rate = f"{'-':>12}" if r.step_s is None else f"{r.per_s:12,.0f}"
         lines.append(
-            f"  {i:>3}  {r['run']:<50} {r['micro_batch']:>5} x {r['accum']:<3}  {_peaks(r):<24} "
-            f"{r['headroom']:5.0%}  {step}  {rate}  {r['comm_bytes_per_step'] / MIB:13,.1f}  {r['caveat']}"
+            f"  {i:>3}  {r.run:<50} {r.micro_batch:>5} x {r.accum:<3}  {_peaks(r):<24} "
+            f"{r.headroom:5.0%}  {step}  {rate}  {r.comm_bytes_per_step / MIB:13,.1f}  {r.caveat}"
         )
-        lines.append(f"       $ {r['command']}")
+        lines.append(f"       $ {r.command}")
     if len(best) > top:
         lines.append(f"  ... {len(best) - top} more rows that fit (top=all shows them; out=DIR keeps them all)")
     return "\n".join(lines)
@@ -175,18 +160,18 @@ def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
 
 
-def pareto(rows: list[dict]) -> list[dict]:
+def pareto(rows: list[Row]) -> list[Row]:
     """The fitting rows no other beats on both the busiest share of its GPU and the step."""
-    pts = sorted((r for r in rows if r["fits"] and "step_s" in r), key=lambda r: (1 - r["headroom"], r["step_s"]))
+    pts = sorted((r for r in rows if r.fits and r.step_s is not None), key=lambda r: (1 - r.headroom, r.step_s))
     front, best = [], float("inf")
     for r in pts:
-        if r["step_s"] < best:
+        if r.step_s < best:
             front.append(r)
-            best = r["step_s"]
+            best = r.step_s
     return front
 
 
-def plot(rows: list[dict], path: Path, *, title: str) -> None:
+def plot(rows: list[Row], path: Path, *, title: str) -> None:
     """Memory (the busiest rank's share of its GPU) against step time: every traced row, the
     Pareto front joined and labelled."""
     import matplotlib  # noqa: PLC0415  (lazy: only out=DIR draws, and pyplot costs seconds)
@@ -196,15 +181,13 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 6))
     for mode, color in (("none", "tab:blue"), ("backward", "tab:green"), ("forward", "tab:orange")):
-        pts = [r for r in rows if r["fits"] and "step_s" in r and r["structure"]["masking"] == mode]
+        pts = [r for r in rows if r.fits and r.step_s is not None and r.structure.masking == mode]
         label = {"none": "DDP / FSDP", "backward": "SDP backward", "forward": "SDP forward"}[mode]
-        ax.scatter([100 * (1 - r["headroom"]) for r in pts], [r["step_s"] for r in pts], c=color, s=18, label=label)
+        ax.scatter([100 * (1 - r.headroom) for r in pts], [r.step_s for r in pts], c=color, s=18, label=label)
     front = pareto(rows)
-    ax.plot([100 * (1 - r["headroom"]) for r in front], [r["step_s"] for r in front], "k--", lw=1, label="Pareto front")
+    ax.plot([100 * (1 - r.headroom) for r in front], [r.step_s for r in front], "k--", lw=1, label="Pareto front")
     for r in front:
-        ax.annotate(
-            r["run"], (100 * (1 - r["headroom"]), r["step_s"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
-        )
+        ax.annotate(r.run, (100 * (1 - r.headroom), r.step_s), fontsize=7, xytext=(4, 2), textcoords="offset points")
     ax.axvline(100, color="red", lw=0.8)
     ax.set_xlabel("peak of the busiest rank, % of its GPU")
     ax.set_ylabel("predicted step time, s")

@@ -28,6 +28,7 @@ from sdp.errors import ConfigError
 from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
 from sdp.planning.layered import Trace
+from sdp.planning.rows import Row
 from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
 from sdp.planning.traces import TraceCache
@@ -251,22 +252,15 @@ def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progre
     return done
 
 
-def verify(row: dict, cfg: RunConfig, *, devices: list[float], trace: Trace = estimate) -> dict:
+def verify(row: Row, cfg: RunConfig, *, devices: list[float], trace: Trace = estimate) -> Row:
     """A row's peaks from whole traces (every layer, at most 2 accumulation steps: the peak of
-    any count from 2), replacing the line's; the row as it then stands (it may no longer fit)."""
+    any count from 2), replacing the line's (kept in `line_peaks_bytes`); the row as it then
+    stands (it may no longer fit)."""
     world = len(devices)
-    short, _ = short_run(cfg, world=world, micro=row["micro_batch"])
-    peaks = {int(r): fit_peak(trace(short, world_size=world, rank=int(r))) for r in row["peaks_bytes"]}
-    share = {r: p / (devices[r] * GIB) for r, p in peaks.items()}
-    busiest = max(share, key=share.get)
-    return {
-        **row,
-        "line_peaks_bytes": row["peaks_bytes"],
-        "peaks_bytes": peaks,
-        "peaks_gib": {r: round(p / GIB, 3) for r, p in peaks.items()},
-        "busiest_rank": busiest,
-        "peak_gib": round(peaks[busiest] / GIB, 3),
-        "headroom": round(1 - share[busiest], 4),
-        "fits": share[busiest] <= 1,
-        "method": "traced whole (verified)",
-    }
+    short, _ = short_run(cfg, world=world, micro=row.micro_batch)
+    peaks = {r: fit_peak(trace(short, world_size=world, rank=r)) for r in row.peaks_bytes}
+    fits = max(p / (devices[r] * GIB) for r, p in peaks.items()) <= 1
+    method = "traced whole (verified)"
+    gib = {r: devices[r] for r in peaks}
+    line = row.peaks_bytes
+    return dataclasses.replace(row, peaks_bytes=peaks, devices_gib=gib, line_peaks_bytes=line, fits=fits, method=method)
