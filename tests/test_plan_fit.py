@@ -63,6 +63,44 @@ def test_mixed_gpus_trace_one_rank_of_each_kind(probes):
     assert (found.micro, found.peaks) == (2, {0: int(1.5 * GIB), 2: int(3.5 * GIB)}) and found.headroom == 0.0
 
 
+def test_on_mixed_gpus_the_walk_traces_one_rank_and_the_others_where_it_lands(probes):
+    cfg = estimator_config([*TINY, "masking=forward", "masking.capacity=[1,1,0.5,0.5]"], 4)
+    # Rank 0: 1.25, 1.5, 2 GiB; rank 2: 3.25, 3.5, 4 GiB at micro-batches 1, 2, 4 (4 samples a rank).
+    found = fit(cfg, devices=[2.0, 2.0, 3.5, 3.5], lead=2)  # rank 2's GPU decides: it leads
+    assert probes == [(2, 1), (2, 2), (2, 4), (0, 2)] and (found.micro, found.probes) == (2, 3)
+    assert found.peaks == {0: int(1.5 * GIB), 2: int(3.5 * GIB)} and found.busiest == 2
+    assert found.traced == {1: {2: int(3.25 * GIB)}, 2: {0: int(1.5 * GIB), 2: int(3.5 * GIB)}, 4: {2: 4 * GIB}}
+    probes.clear()
+    # Without a lead, rank 0 (the smaller GPU) walks to 4, where rank 2 is over: every rank below.
+    again = fit(cfg, devices=[2.0, 2.0, 3.5, 3.5])
+    assert probes == [(0, 1), (0, 2), (0, 4), (2, 4), (0, 1), (2, 1), (0, 2), (2, 2)]
+    assert (again.micro, again.peaks, again.accum) == (found.micro, found.peaks, found.accum)
+    probes.clear()
+    miss = fit(cfg, devices=[1.0, 1.0, 3.5, 3.5])  # nothing fits: every kind's peak at micro-batch 1
+    assert not miss.fits and probes == [(0, 1), (2, 1)] and miss.peaks == {0: int(1.25 * GIB), 2: int(3.25 * GIB)}
+
+
+def test_walking_with_one_rank_chooses_what_tracing_every_rank_at_every_micro_batch_does():
+    cfg = estimator_config([*TINY, "masking=forward", "masking.capacity=[0.5,0.5,1,1]"], 4)
+    peaks = {m: probe(cfg, devices=[80.0] * 4, ranks=[0, 2], micro=m, cluster=None).peaks for m in (1, 2, 4)}
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["rank"])
+        return estimate(*args, **kwargs)
+
+    # Rank 0 (half the model) on the smaller GPU, full at micro-batch 4; rank 2 (all of it) over at 4.
+    small, big = peaks[4][0] / GIB, (peaks[2][2] + peaks[4][2]) / 2 / GIB
+    assert small < big
+    for devices, lead in (([small] * 2 + [big] * 2, None), ([small] * 2 + [big] * 2, 2), ([small / 2] * 4, None)):
+        calls.clear()
+        found = fit(cfg, devices=devices, lead=lead, trace=counted)
+        fitting = [m for m, p in peaks.items() if all(p[r] <= devices[r] * GIB for r in p)]
+        expected = max(fitting, default=1)
+        assert (found.fits, found.micro, found.peaks) == (bool(fitting), expected, peaks[expected]), devices
+        assert len(calls) == {None: 8, 2: 4}[lead] if fitting else len(calls) == 2  # each rank's traces
+
+
 def test_the_probe_is_the_layered_estimate_at_that_micro_batch(ddp):
     run = dataclasses.replace(ddp, trainer=dataclasses.replace(ddp.trainer, grad_accum_steps=4))
     peak = layered_estimate(run, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]

@@ -19,7 +19,8 @@ traced (one accumulation step against two). tests/test_plan_fit.py checks the pe
 step against whole traces.
 
 Ranks that hold the same and sit on GPUs of the same size have the same peak: one of each
-kind is traced (the busiest rank alone on equal devices without capacities). The peak a rank
+kind is traced (the busiest rank alone on equal devices without capacities), and of those
+kinds one at each probe, the others only where it lands (`fit`). The peak a rank
 must fit is the estimator's `peak_with_comm_groups_bytes`: its live peak and the NCCL
 communicators of the process groups it joins; with an outer loop, a sync's peak too, where it
 is higher (`fit_peak`).
@@ -62,6 +63,11 @@ class Fit:
     @property
     def fits(self) -> bool:
         return self.accum is not None
+
+    @property
+    def busiest(self) -> int:
+        """The traced rank that fills the largest share of its GPU."""
+        return max(self.peaks, key=lambda r: self.peaks[r] / self.gib[r])
 
     @property
     def headroom(self) -> float:
@@ -162,30 +168,61 @@ def fit(
     cluster: Cluster | None = None,
     guess: int | None = None,
     below: int | None = None,
+    lead: int | None = None,
     trace: Trace = estimate,
 ) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
     starting from `guess` when given; with a cluster, its step there (`Fit.step`). `below`: a
     micro-batch known not to fit (from a structure that takes no more memory, `known_miss`): only
     smaller ones are tried (micro-batch 1 still is, for its peak). `trace` makes each trace
-    (`sdp.planning.layered`)."""
+    (`sdp.planning.layered`).
+
+    Where ranks of several kinds are traced (`traced_ranks`), the walk traces one, `lead` (the
+    one on the smallest GPU unless given: a similar structure's busiest), and the others at
+    the micro-batch it chooses; if one of them is over its GPU there, the walk runs again below
+    it with every rank. A peak grows with the micro-batch, so the choice and the peaks are those
+    of a walk that traces every rank at every probe (tests/test_plan_fit.py): only traces are
+    spared."""
     per_rank = cfg.trainer.global_batch_size // len(devices)
     options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
     n = max(1, sum(below is None or m < below for m in options))
     ranks = traced_ranks(cfg, devices=devices)
     seen: list[Fit] = []
 
-    def at(i: int) -> Fit:
-        seen.append(probe(cfg, devices=devices, ranks=ranks, micro=options[i], cluster=cluster, trace=trace))
+    def at(i: int, who: list[int] = ranks) -> Fit:
+        seen.append(probe(cfg, devices=devices, ranks=who, micro=options[i], cluster=cluster, trace=trace))
         return seen[-1]
 
     start = None if guess is None else max(i for i, m in enumerate(options[:n]) if m <= guess)
-    found = _walk(at, n, start)
-    traced = {f.micro: {r: p - f.estimates[r]["memory"]["comm_group_bytes"] for r, p in f.peaks.items()} for f in seen}
-    found = dataclasses.replace(found, probes=len(seen), traced=traced)
+    walker = lead if lead in ranks else min(ranks, key=lambda r: devices[r])
+    found = _walk(lambda i: at(i, [walker]), n, start) if len(ranks) > 1 else _walk(at, n, start)
+    if len(ranks) > 1:
+        i = options.index(found.micro)
+        rest = at(i, [r for r in ranks if r != walker])
+        if rest.headroom >= 0 or not found.fits:  # they fit there too, or nothing fits
+            found = _joined(found, rest)
+        else:  # one of them is over where the lead fits: every rank, below that micro-batch
+            found = _walk(at, i, None) if i > 0 else _joined(found, rest)
+    traced: dict[int, dict[int, int]] = {}
+    for f in seen:
+        traced.setdefault(f.micro, {}).update(
+            {r: p - f.estimates[r]["memory"]["comm_group_bytes"] for r, p in f.peaks.items()}
+        )
+    found = dataclasses.replace(found, probes=len(traced), traced=traced)
     if found.fits and cluster is not None:
         found.step = step_at(cfg, found, devices=devices, cluster=cluster, trace=trace)
     return found
+
+
+def _joined(lead: Fit, rest: Fit) -> Fit:
+    """One micro-batch's probes of the lead rank and of the others, as one (it fits if all fit)."""
+    return dataclasses.replace(
+        lead,
+        accum=lead.accum if rest.headroom >= 0 else None,
+        peaks={**lead.peaks, **rest.peaks},
+        gib={**lead.gib, **rest.gib},
+        estimates={**lead.estimates, **rest.estimates},
+    )
 
 
 def _walk(at, n: int, start: int | None) -> Fit:

@@ -180,7 +180,7 @@ def progress_line(outcome: Outcome, done: int, total: int) -> None:
     if found is None:
         what = f"refused: {outcome.reason}"
     else:
-        busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
+        busiest = found.busiest
         peak, gib = found.peaks[busiest] / GIB, found.gib[busiest]
         fits = f"fits at micro-batch {found.micro} x {found.accum}" if found.fits else "does not fit at micro-batch 1"
         how = f"from {outcome.lead.label}'s traces" if outcome.lead else f"{found.probes} probes"

@@ -63,7 +63,7 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
     if found is None:
         return Row(s, round(outcome.seconds, 2), refused=outcome.reason)
     ests = found.estimates
-    busiest = max(found.peaks, key=lambda r: found.peaks[r] / found.gib[r])
+    busiest = found.busiest
     memory = ests[busiest]["memory"]
     out = Row(
         s,

@@ -164,15 +164,17 @@ def fit_family(task: tuple) -> list[Outcome]:
     """Fit a family's structures from the least memory up: the first from the largest
     micro-batch (on GPUs that hold the model it fits there), each next from the one before's
     choice, below the smallest micro-batch that a structure holding no more missed at
-    (`known_miss`). The traces decide every choice; the order only spares probes."""
+    (`known_miss`), and on mixed GPUs walking with the one before's busiest rank. The traces
+    decide every choice; the order only spares probes."""
     pairs, devices, cluster, traces = task
     out, guess = [], pairs[0][1].trainer.global_batch_size  # the first from the largest micro-batch
+    lead = None  # on mixed GPUs, the rank the walk traces (`fit`): the one before's busiest
     fitted: list[tuple[Structure, Fit]] = []
     for s, cfg in pairs:
         start, before = time.perf_counter(), (traces.made, traces.read)
         below = known_miss(s, cfg, fitted, devices)
-        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, below=below, trace=traces)
-        guess = found.micro
+        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, below=below, lead=lead, trace=traces)
+        guess, lead = found.micro, found.busiest
         fitted.append((s, found))
         counts = (traces.made - before[0], traces.read - before[1])
         out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start, traces=counts))
