@@ -215,13 +215,18 @@ def fit(
 
 
 def _joined(lead: Fit, rest: Fit) -> Fit:
-    """One micro-batch's probes of the lead rank and of the others, as one (it fits if all fit)."""
+    """One micro-batch's probes of the lead rank and of the others, as one (it fits if all fit),
+    rank by rank in order."""
+
+    def both(a: dict, b: dict) -> dict:
+        return dict(sorted({**a, **b}.items()))
+
     return dataclasses.replace(
         lead,
         accum=lead.accum if rest.headroom >= 0 else None,
-        peaks={**lead.peaks, **rest.peaks},
-        gib={**lead.gib, **rest.gib},
-        estimates={**lead.estimates, **rest.estimates},
+        peaks=both(lead.peaks, rest.peaks),
+        gib=both(lead.gib, rest.gib),
+        estimates=both(lead.estimates, rest.estimates),
     )
 
 
