@@ -41,12 +41,12 @@ def measure(model: str, *, world_size: int, coverage: float) -> list[dict]:
         argv = [f"model={model}", *BASE, *overrides]
         cfg = load_config(argv, world_size=world_size, offline=True, check_data=False)
         est = estimate(cfg, world_size=world_size, rank=busiest_rank(cfg, world_size=world_size))
-        row = {"model": model, "run": label, "groups": est["memory"]["comm_groups"], "clusters": {}}
+        row = {"model": model, "run": label, "groups": est.memory["comm_groups"], "clusters": {}}
         for name, nodes in CLUSTERS:
             cluster = load_cluster(name)
             place(cluster, world_size=world_size, nodes=nodes)
             row["clusters"][name] = step_times(est, cluster)
-        print(f"{model} {label}: traced in {est['trace_s']:.1f} s", flush=True)
+        print(f"{model} {label}: traced in {est.trace_s:.1f} s", flush=True)
         rows.append(row)
     return rows
 

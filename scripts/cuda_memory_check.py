@@ -152,7 +152,7 @@ def by_category(rows: list[dict]) -> str:
     for r in rows:
         if "error" not in r and r.get("estimate"):
             m = r["measured"]
-            against = compare(r["rank"], r["estimate"], m["tracked_peak"], m.get("cuda_max_allocated"))
+            against = compare(r["rank"], r["estimate"]["memory"], m["tracked_peak"], m.get("cuda_max_allocated"))
             parts.append(f"### {r['model']}, {r['variant']}\n\n```\n{format_against([against])}\n```\n")
     return "\n".join(parts)
 
@@ -190,7 +190,7 @@ def main() -> int:
                 cfg, world_size=args.world_size, rank=row["rank"], device=device, steps=args.steps
             )
             if not args.no_estimate:
-                row["estimate"] = estimate(cfg, world_size=args.world_size, rank=row["rank"])
+                row["estimate"] = estimate(cfg, world_size=args.world_size, rank=row["rank"]).to_json()
         except Exception as err:  # noqa: BLE001  (one variant failing must not lose the others)
             traceback.print_exc()
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -225,7 +225,7 @@ def run(args) -> list[dict]:
             row["measured"] = measure(cfg, world_size=args.world_size, rank=rank, device=device, steps=args.steps)
             key = (model, variant, loss)  # the estimator traces the eager step: compile does not change it
             if not args.no_estimate and key not in estimates:
-                estimates[key] = estimate(cfg, world_size=args.world_size, rank=rank)["memory"]["peak_bytes"]
+                estimates[key] = estimate(cfg, world_size=args.world_size, rank=rank).memory["peak_bytes"]
             row["estimated_peak"] = estimates.get(key)
         except Exception as err:  # noqa: BLE001  (one configuration failing must not lose the others)
             traceback.print_exc()

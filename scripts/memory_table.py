@@ -86,7 +86,7 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             try:
                 cfg = load_config(overrides, world_size=world_size, offline=True, check_data=False)
                 rank = busiest_rank(cfg, world_size=world_size)
-                row.update(est=estimate(cfg, world_size=world_size, rank=rank))
+                row.update(est=estimate(cfg, world_size=world_size, rank=rank).to_json())
             except (ConfigError, EstimateError) as err:
                 row.update(error=str(err))
             print(f"{model:>11} {label:<16} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
@@ -104,9 +104,8 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             ]
             try:
                 cfg = load_config(overrides, world_size=world_size * f, offline=True, check_data=False)
-                row.update(
-                    est=estimate(cfg, world_size=world_size * f, rank=busiest_rank(cfg, world_size=world_size * f))
-                )
+                busiest = busiest_rank(cfg, world_size=world_size * f)
+                row.update(est=estimate(cfg, world_size=world_size * f, rank=busiest).to_json())
             except (ConfigError, EstimateError) as err:
                 row.update(error=str(err))
             print(f"{model:>11} {label:<36} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)
@@ -116,7 +115,8 @@ def _rows_for_model(model: str, world_size: int) -> list[dict]:
             row = {"model": model, "variant": label, "coverage": coverage, "world_size": world_size}
             try:
                 cfg = load_config(base + masking + extra, world_size=world_size, offline=True, check_data=False)
-                row.update(est=estimate(cfg, world_size=world_size, rank=busiest_rank(cfg, world_size=world_size)))
+                busiest = busiest_rank(cfg, world_size=world_size)
+                row.update(est=estimate(cfg, world_size=world_size, rank=busiest).to_json())
             except (ConfigError, EstimateError) as err:
                 row.update(error=str(err))
             print(f"{model:>11} {label:<26} C={coverage:<4} {'ok' if 'est' in row else row['error']}", flush=True)

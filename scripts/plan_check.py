@@ -32,7 +32,7 @@ def check_row(row: dict, world: int) -> float:
     cfg = load_config(overrides, world_size=world, offline=True, check_data=False)
     worst = 0.0
     for rank, predicted in row["peaks_bytes"].items():
-        whole = estimate(cfg, world_size=world, rank=int(rank))["memory"]["peak_with_comm_groups_bytes"]
+        whole = estimate(cfg, world_size=world, rank=int(rank)).memory["peak_with_comm_groups_bytes"]
         worst = max(worst, abs(predicted - whole) / whole)
     return worst
 

@@ -120,7 +120,7 @@ def test_capacities_over_the_limit_are_refused_with_a_common_share():
     [(["masking=none"], 1), (["masking=backward", "masking.coverage=0.5"], 3), (["parallelism=fsdp"], 1)],
 )
 def test_the_estimator_adds_each_communicator_to_its_peak(overrides, groups):
-    est = estimate(estimator_config([*TINY, *overrides], 4), world_size=4, rank=0)["memory"]
+    est = estimate(estimator_config([*TINY, *overrides], 4), world_size=4, rank=0).memory
     assert est["comm_groups"] == groups
     assert est["comm_group_bytes"] == groups * 688 * 2**20
     assert est["peak_with_comm_groups_bytes"] == est["peak_bytes"] + est["comm_group_bytes"]

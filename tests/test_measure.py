@@ -56,23 +56,23 @@ def test_estimator_equals_the_real_run_per_rank(real_runs, estimates, variant):
     for rank, est in enumerate(estimates[variant]):
         measured = real["memory_per_rank"][rank]
         for key in ("params_bytes", "grads_bytes", "optim_bytes"):
-            assert est["memory"][key] == measured[key], (rank, key)
+            assert est.memory[key] == measured[key], (rank, key)
         # The same step under the same tracker, on fake instead of real tensors.
-        assert est["memory"]["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.10)
+        assert est.memory["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.10)
         if "diloco" in variant:  # the outer loop's state exactly, and the peak of its sync after step 3
             for key in OUTER_KEYS:
-                assert est["memory"][key] == measured[key] > 0, (rank, key)
+                assert est.memory[key] == measured[key] > 0, (rank, key)
             # gloo's worker thread drops its reference to the bucket it sent a moment after wait()
             # returns: if the outer step's first temporary (the embedding's update) comes first, the
             # bucket is still counted then. Either the estimate exactly, or one such tensor above it.
-            above = measured["sync_peak_bytes"] - est["memory"]["sync_peak_bytes"]
+            above = measured["sync_peak_bytes"] - est.memory["sync_peak_bytes"]
             assert above in (0, LARGEST_TENSOR_BYTES), (rank, above)
-    assert max(e["flops_per_step"] for e in estimates[variant]) == real["flops_per_step_per_rank"]
+    assert max(e.flops_per_step for e in estimates[variant]) == real["flops_per_step_per_rank"]
     if variant == "backward-diloco":  # capacities 1 and 0.5: rank 1 holds less of everything
         assert real["memory_per_rank"][1]["outer_backup_bytes"] < real["memory_per_rank"][0]["outer_backup_bytes"]
     by_kind = real["comm_bytes_per_step_by_kind"]
     for kind in ("grad_sync", "shared_sync"):  # steady-state traffic (the estimator runs no evaluation)
-        assert max(e["comm_bytes_per_step_by_kind"][kind] for e in estimates[variant]) == by_kind[kind]
+        assert max(e.comm_bytes_per_step_by_kind[kind] for e in estimates[variant]) == by_kind[kind]
 
 
 @pytest.mark.dist
@@ -99,21 +99,21 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
     ddp = estimate(estimator_config(TINY + VARIANTS["ddp"], 4), world_size=4, rank=0)
     bwd = estimate(estimator_config(TINY + ["masking=backward", "masking.coverage=0.5"], 4), world_size=4, rank=0)
     # Same forward, same activation gradients; weight gradients only for held rows/columns.
-    assert bwd["flops_per_step"] < ddp["flops_per_step"]
-    assert bwd["memory"]["peak_bytes"] < ddp["memory"]["peak_bytes"]
+    assert bwd.flops_per_step < ddp.flops_per_step
+    assert bwd.memory["peak_bytes"] < ddp.memory["peak_bytes"]
 
 
 def test_the_estimators_ddp_all_reduces_the_last_micro_batch_in_full_buckets():
     cfg = estimator_config([*TINY, *VARIANTS["ddp-accumulation"], "parallelism.bucket_cap_mb=0.25"])
     est = estimate(cfg, world_size=2, rank=1)
-    grads, cap = est["memory"]["grads_bytes"], int(0.25 * 2**20)
-    buckets = [r["bytes"] for r in est["timeline"] if r["kind"] == "grad_sync"]
+    grads, cap = est.memory["grads_bytes"], int(0.25 * 2**20)
+    buckets = [r["bytes"] for r in est.timeline if r["kind"] == "grad_sync"]
     # One all-reduce a bucket of the synchronised micro-batch (none under no_sync), every bucket
     # but the last filled to the cap, in all the gradients' bytes, as counted.
-    assert sum(buckets) == est["comm_bytes_per_step_by_kind"]["grad_sync"] == grads
+    assert sum(buckets) == est.comm_bytes_per_step_by_kind["grad_sync"] == grads
     assert len(buckets) > 2 and all(b >= cap for b in buckets[:-1]) and 0 < buckets[-1]
     # The first micro-batch's gradients live outside the buckets until the last one's are copied in.
-    assert est["memory"]["peak_breakdown"]["grads"] == 2 * grads
+    assert est.memory["peak_breakdown"]["grads"] == 2 * grads
 
 
 def test_untraceable_step_is_one_clear_error(monkeypatch):
@@ -128,7 +128,7 @@ def test_untraceable_step_is_one_clear_error(monkeypatch):
         estimate(estimator_config(TINY), world_size=2, rank=1)
     monkeypatch.undo()
     # The fake process group was torn down: the next estimate starts cleanly.
-    assert estimate(estimator_config(TINY), world_size=2, rank=1)["memory"]["peak_bytes"] > 0
+    assert estimate(estimator_config(TINY), world_size=2, rank=1).memory["peak_bytes"] > 0
 
 
 @pytest.mark.parametrize(
@@ -228,8 +228,8 @@ def test_estimator_traces_every_family_and_mode(family, masking):
     if masking != ["masking=none"]:
         overrides.append("masking.coverage=0.5")
     est = estimate(estimator_config(overrides), world_size=2, rank=1)
-    mem = est["memory"]
-    assert mem["peak_bytes"] > mem["params_bytes"] > 0 and est["flops_per_step"] > 0
+    mem = est.memory
+    assert mem["peak_bytes"] > mem["params_bytes"] > 0 and est.flops_per_step > 0
 
 
 def test_the_estimator_shows_every_rank_of_a_capacity_list_and_names_the_busiest(tmp_path, capsys):
@@ -293,7 +293,7 @@ def test_against_a_finished_run_sets_each_ranks_estimate_beside_its_measurement(
         ]
         assert {k: f["measured"] for k, f in figures.items() if k != "communicators"} == measured
         # The run's own config re-estimated: what the estimator gives for these overrides.
-        estimated = estimates[variant][r["rank"]]["memory"]["peak_breakdown"]
+        estimated = estimates[variant][r["rank"]].memory["peak_breakdown"]
         assert {k: f["estimated"] for k, f in figures.items() if k != "communicators"} == estimated
         # The state the step holds is exact; the step's own tensors within the estimator's 10%.
         assert all(figures[k]["ratio"] == 1.0 for k in ("weights", "optimizer"))
@@ -344,7 +344,7 @@ def test_against_on_cuda_measures_the_total_by_the_allocator():
     peak = {"weights": 100, "grads": 0, "optimizer": 200, "activations": 300, "temporaries": 400, "total": 1000}
     est = {"memory": {"peak_breakdown": {**peak, "activations": 330, "total": 1030}, "peak_bytes": 1030,
                       "comm_group_bytes": 2**30}}  # fmt: skip
-    row = compare(3, est, peak, allocator_peak=1250)
+    row = compare(3, est["memory"], peak, allocator_peak=1250)
     assert row.total_by == ALLOCATOR and row.figure("total").measured == 1250
     assert row.figure("total").ratio == 1030 / 1250 and row.figure("activations").ratio == 1.1
     assert row.figure("grads").ratio is None  # nothing measured: no ratio

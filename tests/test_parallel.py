@@ -97,7 +97,7 @@ def test_activation_checkpointing_saves_activation_memory():
     mem = {
         mode: estimate(
             estimator_config([*overrides, f"parallelism.activation_checkpointing={mode}"]), world_size=2, rank=0
-        )["memory"]
+        ).memory
         for mode in ("none", "selective", "full")
     }
     acts = {mode: m["peak_breakdown"]["activations"] for mode, m in mem.items()}
@@ -133,7 +133,7 @@ def test_the_estimator_traces_fsdp_bf16_with_selective_checkpointing():
             "parallelism.activation_checkpointing=selective",
         ]
     )
-    assert estimate(cfg, world_size=2, rank=0)["memory"]["peak_bytes"] > 0
+    assert estimate(cfg, world_size=2, rank=0).memory["peak_bytes"] > 0
 
 
 @pytest.mark.dist
@@ -199,7 +199,7 @@ def test_sdp_x_fsdp_run_through_the_entrypoint(tmp_path):
         plain = build_model(cfg.model)
     gloo_copy = 4 * sum(p.numel() for n, p in plain.named_parameters() if not n.startswith("model.layers."))
     for rank, measured in enumerate(summary["memory_per_rank"]):
-        est = estimate(cfg, world_size=4, rank=rank)["memory"]
+        est = estimate(cfg, world_size=4, rank=rank).memory
         for key in ("params_bytes", "grads_bytes", "optim_bytes"):
             assert est[key] == measured[key], (rank, key)
         assert est["peak_bytes"] <= measured["peak_bytes"] <= est["peak_bytes"] + 1.01 * gloo_copy
@@ -215,11 +215,11 @@ def test_neuron_sdp_x_fsdp_bf16_traces_and_halves_the_static_bytes(family):
     model, dataset = TINY_MODELS[family]
     base = [f"model={model}", f"dataset={dataset}", "trainer.global_batch_size=8", "masking=forward"]
     base += ["masking.coverage=0.5", "parallelism.mixed_precision=bf16"]
-    plain = estimate(estimator_config(base, world_size=2), world_size=2, rank=0)["memory"]
+    plain = estimate(estimator_config(base, world_size=2), world_size=2, rank=0).memory
     cfg = estimator_config([*base, "parallelism=fsdp", "parallelism.fsdp_degree=2"], world_size=4)
     sharded = estimate(cfg, world_size=4, rank=0)
-    assert sharded["flops_per_step"] > 0
-    ratio = sharded["memory"]["params_bytes"] / plain["params_bytes"]
+    assert sharded.flops_per_step > 0
+    ratio = sharded.memory["params_bytes"] / plain["params_bytes"]
     assert 0.45 <= ratio <= 0.6, ratio
 
 

@@ -1,6 +1,7 @@
 """Does a configuration fit, and with which micro-batch: the planner's probe of one structure."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 from conftest import estimator_config
@@ -22,9 +23,8 @@ def probes(monkeypatch):
     def estimate(cfg, *, world_size, rank, cluster=None, trace=None):
         micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
         seen.append((rank, micro))
-        return {
-            "memory": {"peak_with_comm_groups_bytes": int(((1 + rank) + micro * 0.25) * GIB), "comm_group_bytes": 0}
-        }
+        peak = int(((1 + rank) + micro * 0.25) * GIB)
+        return SimpleNamespace(memory={"peak_with_comm_groups_bytes": peak, "comm_group_bytes": 0})  # the fields read
 
     monkeypatch.setattr(sdp.planning.fit, "layered_estimate", estimate)
     return seen
@@ -103,7 +103,7 @@ def test_walking_with_one_rank_chooses_what_tracing_every_rank_at_every_micro_ba
 
 def test_the_probe_is_the_layered_estimate_at_that_micro_batch(ddp):
     run = dataclasses.replace(ddp, trainer=dataclasses.replace(ddp.trainer, grad_accum_steps=4))
-    peak = layered_estimate(run, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]
+    peak = layered_estimate(run, world_size=2, rank=0).memory["peak_with_comm_groups_bytes"]
     found = fit(ddp, devices=[peak / GIB] * 2)  # exactly micro-batch 2's peak: 4 does not fit
     assert (found.micro, found.accum, found.headroom) == (2, 4, 0.0) and found.peaks == {0: peak}
 
@@ -149,7 +149,7 @@ def test_a_probe_of_two_accumulation_steps_gives_the_whole_steps_peak_and_time(o
     found = probe(cfg, devices=[80.0] * 4, ranks=[0], micro=2, cluster=cluster)
     whole = estimate(cfg, world_size=4, rank=0)
     # Equal but for SDP x FSDP, whose 6-layer peak is 64 KiB above the line (the module doc of layered.py).
-    assert found.peaks[0] == pytest.approx(whole["memory"]["peak_with_comm_groups_bytes"], rel=1e-4)
+    assert found.peaks[0] == pytest.approx(whole.memory["peak_with_comm_groups_bytes"], rel=1e-4)
     assert found.accum == 4
     step, expected = step_at(cfg, found, devices=[80.0] * 4, cluster=cluster), step_times(whole, cluster)
     assert step["compute_s"] == pytest.approx(expected["compute_s"], rel=1e-9)

@@ -30,13 +30,13 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
     cfg = estimator_config([*TINY, *overrides], 4)
     assert extends(cfg) and cfg.model.num_layers == 6
     whole, line = estimate(cfg, world_size=4, rank=rank), layered_estimate(cfg, world_size=4, rank=rank)
-    assert line["method"] == "layers 3 and 4, extended to 6"
+    assert line.method == "layers 3 and 4, extended to 6"
     for key in ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "comm_groups"):
-        assert line["memory"][key] == whole["memory"][key], key
-    assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
-    assert line["n_params"] == whole["n_params"] and line["flops_per_step"] == whole["flops_per_step"]
+        assert line.memory[key] == whole.memory[key], key
+    assert line.memory["peak_breakdown"] == whole.memory["peak_breakdown"]
+    assert line.n_params == whole.n_params and line.flops_per_step == whole.flops_per_step
     # Backward masking's senders turn from layer to layer: a rank's bytes sent are close, not equal.
-    assert line["comm_bytes_per_step"] == pytest.approx(whole["comm_bytes_per_step"], rel=0.02)
+    assert line.comm_bytes_per_step == pytest.approx(whole.comm_bytes_per_step, rel=0.02)
 
 
 @pytest.mark.parametrize(
@@ -50,12 +50,12 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
 def test_an_outer_loops_state_and_sync_are_on_the_line_too(overrides, rank):
     cfg = estimator_config([*TINY, "outer=diloco", "outer.sync_every=10", *overrides], 4)
     whole, line = estimate(cfg, world_size=4, rank=rank), layered_estimate(cfg, world_size=4, rank=rank)
-    assert line["method"] == "layers 3 and 4, extended to 6"
+    assert line.method == "layers 3 and 4, extended to 6"
     for key in ("outer_backup_bytes", "outer_momentum_bytes", "sync_peak_bytes", "peak_bytes"):
-        assert line["memory"][key] == whole["memory"][key], key
-    assert whole["memory"]["sync_peak_bytes"] > whole["memory"]["params_bytes"]  # not a 4-layer figure
+        assert line.memory[key] == whole.memory[key], key
+    assert whole.memory["sync_peak_bytes"] > whole.memory["params_bytes"]  # not a 4-layer figure
     # A sync's bytes: exact but where backward masking's senders turn from layer to layer.
-    sent, expected = line["outer"]["bytes_per_sync"], whole["outer"]["bytes_per_sync"]
+    sent, expected = line.outer["bytes_per_sync"], whole.outer["bytes_per_sync"]
     assert sent.keys() == expected.keys() and sent["outer_sync"] == expected["outer_sync"]
     assert sum(sent.values()) == pytest.approx(sum(expected.values()), rel=0.02)
 
@@ -69,10 +69,10 @@ def test_each_segment_of_the_step_is_extended_on_its_own():
     whole = estimate(cfg, world_size=4, rank=0, head=HEAD)
     one, two = (estimate(with_layers(cfg, n), world_size=4, rank=0, head=HEAD) for n in SHORT)
     line = extended(one, two, 12 - SHORT[0])  # layered_estimate's line (the test above)
-    assert line["memory"]["peak_breakdown"] == whole["memory"]["peak_breakdown"]
-    assert line["peak_segments"] == whole["peak_segments"] and "0 head backward" in whole["peak_segments"]
-    three, four = one["memory"]["peak_bytes"], two["memory"]["peak_bytes"]
-    assert three + 9 * (four - three) < 0.97 * whole["memory"]["peak_bytes"]
+    assert line.memory["peak_breakdown"] == whole.memory["peak_breakdown"]
+    assert line.peak_segments == whole.peak_segments and "0 head backward" in whole.peak_segments
+    three, four = one.memory["peak_bytes"], two.memory["peak_bytes"]
+    assert three + 9 * (four - three) < 0.97 * whole.memory["peak_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -87,18 +87,18 @@ def test_forward_block_sdp_is_a_line_in_the_blocks_a_rank_holds(overrides):
     cfg = estimator_config([*TINY, "model.num_layers=12", *block, *overrides], 4)
     rank = busiest_rank(cfg, world_size=4)
     whole, line = estimate(cfg, world_size=4, rank=rank, head=HEAD), layered_estimate(cfg, world_size=4, rank=rank)
-    assert line["method"].endswith(" layers, extended in held blocks")
-    assert line["memory"] == whole["memory"]  # static bytes, each kind at the peak, the communicators
-    assert line["peak_segments"] == whole["peak_segments"]
+    assert line.method.endswith(" layers, extended in held blocks")
+    assert line.memory == whole.memory  # static bytes, each kind at the peak, the communicators
+    assert line.peak_segments == whole.peak_segments
     for key in ("rank", "n_params", "flops_per_step", "comm_bytes_per_step", "comm_bytes_per_step_by_kind"):
-        assert line[key] == whole[key], key
+        assert getattr(line, key) == getattr(whole, key), key
 
 
 def test_a_mask_that_holds_more_in_some_layers_is_traced_whole():
     # 2 head units in 4 chunks: worker 0 holds 2 heads of one layer, 1 of the next.
     cfg = estimator_config([*TINY, "model.num_kv_heads=2", "masking=forward", "masking.coverage=0.75"], 4)
     assert layer_spread(cfg, world_size=4, rank=0) == pytest.approx(1 / 9)  # 9 heads held, the line 8
-    assert layered_estimate(cfg, world_size=4, rank=0)["method"] == "traced"
+    assert layered_estimate(cfg, world_size=4, rank=0).method == "traced"
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_a_mask_that_holds_more_in_some_layers_is_traced_whole():
 def test_what_the_line_cannot_carry_is_traced_whole(overrides):
     cfg = estimator_config([*TINY, *overrides], 4)
     assert not extends(cfg)
-    assert layered_estimate(cfg, world_size=4, rank=0)["method"] == "traced"
+    assert layered_estimate(cfg, world_size=4, rank=0).method == "traced"
 
 
 def test_models_of_unequal_layers_are_traced_whole():

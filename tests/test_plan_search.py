@@ -89,7 +89,7 @@ def test_verify_puts_whole_traces_in_place_of_the_lines_peaks():
     cfg = estimator_config([*TINY, "model.num_layers=6", "trainer.grad_accum_steps=4"], 2)
     method = "layers 3 and 4, extended to 6"
     row = Row(Structure(), 0.0, fits=True, micro_batch=2, peaks_bytes={0: 1}, devices_gib={0: 80.0}, method=method)
-    whole = estimate(cfg, world_size=2, rank=0)["memory"]["peak_with_comm_groups_bytes"]
+    whole = estimate(cfg, world_size=2, rank=0).memory["peak_with_comm_groups_bytes"]
     out = verify(row, cfg, devices=[80.0, 80.0])
     assert out.peaks_bytes == {0: whole} and out.line_peaks_bytes == {0: 1} and out.fits
     assert out.method == "traced whole (verified)"
@@ -148,15 +148,15 @@ def test_an_outer_loop_at_another_h_is_derived_from_one_fit(slow_and_fast):
         assert got.step[key] == pytest.approx(direct.step[key], rel=1e-12), key
     (rank,) = got.estimates
     a, b = got.estimates[rank], direct.estimates[rank]
-    assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-12)
-    assert a["outer"] == b["outer"] and a["outer"]["sync_every"] == 100
+    assert a.comm_bytes_per_step == pytest.approx(b.comm_bytes_per_step, rel=1e-12)
+    assert a.outer == b.outer and a.outer["sync_every"] == 100
     # A window's bytes over its H steps: H = 100 sends a tenth of H = 10's per step.
-    assert h10.found.estimates[rank]["comm_bytes_per_step"] == pytest.approx(10 * a["comm_bytes_per_step"])
-    assert got.peaks[rank] == fit_peak(b)
+    assert h10.found.estimates[rank].comm_bytes_per_step == pytest.approx(10 * a.comm_bytes_per_step)
+    assert got.peaks[rank] == fit_peak(b.memory)
     # A GPU must hold the step's peak or a sync's (every pseudo-gradient and its buckets alive),
     # whichever is higher, with the communicators.
     sync = {"peak_bytes": 10, "sync_peak_bytes": 30, "peak_with_comm_groups_bytes": 15}
-    assert fit_peak({"memory": sync}) == 35 and fit_peak({"memory": {**sync, "sync_peak_bytes": 3}}) == 15
+    assert fit_peak(sync) == 35 and fit_peak({**sync, "sync_peak_bytes": 3}) == 15
 
 
 def test_on_a_slow_link_the_top_row_communicates_less_and_on_nvlink_the_usual_one(slow_and_fast):

@@ -1,5 +1,7 @@
 """The step-time model: its collective costs, its schedule, and the estimator's cluster= mode."""
 
+from types import SimpleNamespace
+
 import pytest
 from conftest import estimator_config
 
@@ -129,11 +131,11 @@ def test_the_ddp_baseline_keeps_precision_and_drops_the_masking():
                          "masking.coverage=0.5"], ["parallelism=fsdp"], ["masking=none"]])  # fmt: skip
 def test_every_traced_collective_is_issued_before_it_is_needed(overrides):
     est = estimate(estimator_config([*TINY, *overrides], 4), world_size=4, rank=0)
-    timeline = est["timeline"]
-    assert timeline and all(0 <= (r["issue"] or 0) <= r["need"] <= est["flops_per_step"] for r in timeline)
+    timeline = est.timeline
+    assert timeline and all(0 <= (r["issue"] or 0) <= r["need"] <= est.flops_per_step for r in timeline)
     # The traced payloads are the bytes the rank takes part in; SDP's gradient buckets add up to
     # the counted gradient traffic.
-    kinds = est["comm_bytes_per_step_by_kind"]
+    kinds = est.comm_bytes_per_step_by_kind
     traced = sum(r["bytes"] for r in timeline if r["kind"] in ("grad_sync", "shared_sync"))
     assert traced == kinds["grad_sync"] + kinds["shared_sync"]
     t = step_times(est, load_cluster("h100_nvlink"))
@@ -153,7 +155,7 @@ def test_an_outer_loop_spreads_each_windows_syncs_over_its_steps():
     # Two fragments, each one 1 GB all-reduce across 2 nodes (1 s at 1 GB/s); H = 10, P = 2: a
     # fragment's sync every 5 steps. 1 s of compute a step: beside the next 5 steps each sync hides.
     sync = {"op": "all_reduce", "kind": "outer_sync", "bytes": 10**9, "ranks": [3, 4], "issue": 0.0, "need": -1.0}
-    est = {"outer": {"sync_every": 10, "fragments": 2}, "sync_timelines": [[sync], [sync]]}
+    est = SimpleNamespace(outer={"sync_every": 10, "fragments": 2}, sync_timelines=[[sync], [sync]])  # its fields read
     times = outer_sync_times(est, m, compute_s=1.0)
     assert times["outer_sync_window_s"] == pytest.approx(2.0)
     assert times["outer_sync_per_step_s"] == pytest.approx(0.2)
@@ -167,8 +169,8 @@ def test_diloco_steps_faster_than_ddp_where_the_network_is_slow():
     ddp = estimate(estimator_config(TINY, 16), world_size=16, rank=0)
     diloco = estimate(estimator_config([*TINY, "outer=diloco", "outer.sync_every=50"], 16), world_size=16, rank=0)
     # A window's pseudo-gradients: every parameter once, in fp32, spread over its 50 steps.
-    assert diloco["comm_bytes_per_step_by_kind"]["outer_sync"] * 50 == pytest.approx(4 * diloco["n_params"])
-    assert diloco["comm_bytes_per_step_by_kind"]["grad_sync"] == 0
+    assert diloco.comm_bytes_per_step_by_kind["outer_sync"] * 50 == pytest.approx(4 * diloco.n_params)
+    assert diloco.comm_bytes_per_step_by_kind["grad_sync"] == 0
     ratios = {}
     for name in ("h100_nvlink", "h100_eth10g", "h100_eth1g"):
         cluster = load_cluster(name)

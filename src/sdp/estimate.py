@@ -27,6 +27,7 @@ from sdp.launching.cli import Usage, wants_help
 from sdp.outer import is_outer
 from sdp.paths import check_output_file
 from sdp.planning.against import compare, finished_run, format_against, measured_ranks
+from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
 from sdp.planning.options import MAX_RANKS, EstimateArgs, parse_against, parse_estimate
 from sdp.planning.step_time import format_step_times, step_times
@@ -77,7 +78,7 @@ def ddp_overrides(overrides: list[str]) -> list[str]:
     return [*out, "masking=none"]
 
 
-def cluster_report(args: EstimateArgs, cfg: RunConfig, est: dict) -> tuple[str, list[dict]]:
+def cluster_report(args: EstimateArgs, cfg: RunConfig, est: Estimate) -> tuple[str, list[dict]]:
     """The run's step on args.cluster next to DDP's (traced as well): its text and its rows."""
     runs = [(run_label(cfg), est)]
     if is_sdp(cfg.masking.name) or cfg.parallelism.name != "ddp" or is_outer(cfg.outer):
@@ -132,18 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             print(format_estimate(results[-1]), flush=True)
         if len(results) > 1:
             print(format_ranks(results), flush=True)
+        written = [est.to_json() for est in results]
         if args.cluster is not None:
             text, rows = cluster_report(args, cfg, results[0])
             print(text, flush=True)
-            for r in results:
-                r["step_time"] = rows
+            written = [{**est, "step_time": rows} for est in written]
     except EstimateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.out:
         try:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results if args.rank == "all" else results[0], indent=1))
+            args.out.write_text(json.dumps(written if args.rank == "all" else written[0], indent=1))
         except OSError as err:  # a full disk: the estimate is printed above all the same
             print(f"error: {write_error(err, args.out)}", file=sys.stderr)
             return 2
@@ -167,7 +168,7 @@ def against_main(argv: list[str]) -> int:
         for rank in ranks:
             est = estimate(cfg, world_size=len(measured), rank=rank)
             m = measured[rank]
-            rows.append(compare(rank, est, m["peak_breakdown"], m.get("cuda_max_allocated_bytes")))
+            rows.append(compare(rank, est.memory, m["peak_breakdown"], m.get("cuda_max_allocated_bytes")))
             print(format_against(rows[-1:]), flush=True)
     except EstimateError as err:
         print(f"error: {err}", file=sys.stderr)

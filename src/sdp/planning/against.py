@@ -75,11 +75,10 @@ class RankAgainst:
         }
 
 
-def compare(rank: int, estimate: dict, breakdown: dict, allocator_peak: int | None) -> RankAgainst:
-    """One rank: the estimator's result for it (`sdp.planning.estimator.estimate`) against the
-    tracker's `breakdown` of its measured step (the PEAK_KINDS and "total") and, on CUDA, the
-    allocator's peak, which then stands for the measured total."""
-    memory = estimate["memory"]
+def compare(rank: int, memory: dict, breakdown: dict, allocator_peak: int | None) -> RankAgainst:
+    """One rank: the memory of the estimator's result for it (`sdp.planning.estimator.estimate`)
+    against the tracker's `breakdown` of its measured step (the PEAK_KINDS and "total") and, on
+    CUDA, the allocator's peak, which then stands for the measured total."""
     peak = memory["peak_breakdown"]
     figures = [Figure(kind, peak.get(kind), breakdown.get(kind)) for kind in PEAK_KINDS]
     figures.append(Figure(COMMUNICATORS, memory["comm_group_bytes"], None))

@@ -46,6 +46,7 @@ from sdp.outer import is_outer
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import LocalDDPStrategy, view_of
 from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.planning.estimates import Estimate
 from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
@@ -198,7 +199,7 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model
 
 
-def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> dict:
+def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
     """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`; the
     peak of each segment of the step in `peak_segments` (sdp.planning.segments), the head's
     apart when `head` names the module where it begins."""
@@ -263,19 +264,19 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
     for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
         per_step[kind] += nbytes / cfg.outer.sync_every
     groups = planned_groups(cfg, world_size=world_size)[rank]
-    return {
+    return Estimate(
         **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro, sent=sent),
-        "memory": _memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
-        "peak_segments": segments,
-        "flops_per_step": flops,
-        "comm_bytes_per_step": sum(per_step.values()),
-        "comm_bytes_per_step_by_kind": per_step,
-        "sync_timelines": syncs,
-        "sync_segments": sync_segments,  # an outer sync's peak by moment, by kind (None without one)
-        "timeline": timeline,
-        "precision": cfg.parallelism.mixed_precision,
-        "trace_s": round(time.perf_counter() - start, 2),
-    }
+        memory=_memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
+        peak_segments=segments,
+        flops_per_step=flops,
+        comm_bytes_per_step=sum(per_step.values()),
+        comm_bytes_per_step_by_kind=per_step,
+        sync_timelines=syncs,
+        sync_segments=sync_segments,  # an outer sync's peak by moment, by kind (None without one)
+        timeline=timeline,
+        precision=cfg.parallelism.mixed_precision,
+        trace_s=round(time.perf_counter() - start, 2),
+    )
 
 
 def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int, sent: dict) -> dict:
@@ -404,23 +405,23 @@ def _memory(static: dict, peak: dict, *, groups: int, group_mb: float) -> dict:
     }
 
 
-def format_estimate(est: dict) -> str:
+def format_estimate(est: Estimate) -> str:
     """A human-readable block in GiB."""
-    mem = est["memory"]
+    mem = est.memory
     static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
-    variant = est["masking"] if est["masking"] == "none" else f"{est['masking']}/{est['granularity']}"
-    share = "" if est["capacity"] in (None, est["coverage"]) else f" (this rank's capacity {est['capacity']:g})"
+    variant = est.masking if est.masking == "none" else f"{est.masking}/{est.granularity}"
+    share = "" if est.capacity in (None, est.coverage) else f" (this rank's capacity {est.capacity:g})"
     lines = [
-        f"{est['model']} ({est['n_params'] / 1e6:.1f}M params), masking={variant} C={est['coverage']:g}{share}, "
-        f"rank {est['rank']} of {est['world_size']}, micro-batch {est['micro_batch']}"
-        + (f" x {est['seq_len']} tokens" if est["seq_len"] else ""),
+        f"{est.model} ({est.n_params / 1e6:.1f}M params), masking={variant} C={est.coverage:g}{share}, "
+        f"rank {est.rank} of {est.world_size}, micro-batch {est.micro_batch}"
+        + (f" x {est.seq_len} tokens" if est.seq_len else ""),
         f"  static   params {mem['params_bytes'] / GIB:.3f}  grads {mem['grads_bytes'] / GIB:.3f}  "
         f"optimizer {mem['optim_bytes'] / GIB:.3f}  = {static / GIB:.3f} GiB",
         "  peak     "
         + "  ".join(f"{k} {v / GIB:.3f}" for k, v in mem["peak_breakdown"].items() if k != "total")
         + f"  = {mem['peak_bytes'] / GIB:.3f} GiB",
-        f"  compute  {est['flops_per_step'] / 1e12:.3f} TFLOP/step; comm {est['comm_bytes_per_step'] / GIB:.3f} "
-        f"GiB/step sent; traced in {est['trace_s']:.1f} s",
+        f"  compute  {est.flops_per_step / 1e12:.3f} TFLOP/step; comm {est.comm_bytes_per_step / GIB:.3f} "
+        f"GiB/step sent; traced in {est.trace_s:.1f} s",
         f"  groups   {mem['comm_groups']} process groups (NCCL communicators, the world included) x "
         f"{mem['comm_group_bytes'] / max(1, mem['comm_groups']) / 2**20:g} MiB = {mem['comm_group_bytes'] / GIB:.3f} "
         f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
@@ -429,28 +430,28 @@ def format_estimate(est: dict) -> str:
         backup, momentum, sync = mem["outer_backup_bytes"], mem["outer_momentum_bytes"], mem["sync_peak_bytes"]
         lines.append(
             f"  outer    theta_prev {backup / GIB:.3f} + momentum {momentum / GIB:.3f} = "
-            f"{(backup + momentum) / GIB:.3f} GiB on {est['outer_on']}; a sync peaks at {sync / GIB:.3f} GiB"
+            f"{(backup + momentum) / GIB:.3f} GiB on {est.outer_on}; a sync peaks at {sync / GIB:.3f} GiB"
         )
-    if est["holders"] is not None:
-        h = est["holders"]
+    if est.holders is not None:
+        h = est.holders
         lines.append(f"  holders  each unit held by {h['min']}..{h['max']} workers (mean {h['mean']:g})")
     return "\n".join(lines)
 
 
-def format_ranks(results: list[dict]) -> str:
+def format_ranks(results: list[Estimate]) -> str:
     """`rank=all`: every rank's figures side by side, and the busiest rank by peak, named."""
     lines = ["rank  capacity  static GiB  peak GiB  peak+groups GiB  comm GiB/step"]
     for est in results:
-        mem = est["memory"]
+        mem = est.memory
         static = mem["params_bytes"] + mem["grads_bytes"] + mem["optim_bytes"]
-        capacity = "-" if est["capacity"] is None else f"{est['capacity']:g}"
+        capacity = "-" if est.capacity is None else f"{est.capacity:g}"
         lines.append(
-            f"{est['rank']:>4}  {capacity:>8}  {static / GIB:>10.3f}  {mem['peak_bytes'] / GIB:>8.3f}  "
-            f"{mem['peak_with_comm_groups_bytes'] / GIB:>15.3f}  {est['comm_bytes_per_step'] / GIB:>13.3f}"
+            f"{est.rank:>4}  {capacity:>8}  {static / GIB:>10.3f}  {mem['peak_bytes'] / GIB:>8.3f}  "
+            f"{mem['peak_with_comm_groups_bytes'] / GIB:>15.3f}  {est.comm_bytes_per_step / GIB:>13.3f}"
         )
-    busiest = max(results, key=lambda e: e["memory"]["peak_with_comm_groups_bytes"])
+    busiest = max(results, key=lambda e: e.memory["peak_with_comm_groups_bytes"])
     lines.append(
-        f"busiest: rank {busiest['rank']} of {busiest['world_size']}, peak "
-        f"{busiest['memory']['peak_with_comm_groups_bytes'] / GIB:.3f} GiB with its process groups"
+        f"busiest: rank {busiest.rank} of {busiest.world_size}, peak "
+        f"{busiest.memory['peak_with_comm_groups_bytes'] / GIB:.3f} GiB with its process groups"
     )
     return "\n".join(lines)

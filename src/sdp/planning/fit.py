@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import busiest_rank, estimate
 from sdp.planning.layered import Trace, extend_steps, layered_estimate
 from sdp.planning.step_time import Cluster, resync
@@ -54,7 +55,7 @@ class Fit:
     micro: int
     peaks: dict[int, int]  # rank -> predicted peak bytes, communicators included
     gib: dict[int, float]  # rank -> its GPU's GiB
-    estimates: dict[int, dict]  # rank -> its (short) estimate
+    estimates: dict[int, Estimate]  # rank -> its (short) estimate
     probes: int = 1  # micro-batches traced to decide
     step: dict | None = None  # the slowest traced rank's `step_times` at `accum` (with a cluster)
     # micro-batch -> traced rank -> its peak without the communicators, for every micro-batch traced
@@ -111,14 +112,13 @@ def probe(
     world = len(devices)
     short, accum = short_run(cfg, world=world, micro=micro)
     ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace) for r in ranks}
-    peaks = {r: fit_peak(e) for r, e in ests.items()}
+    peaks = {r: fit_peak(e.memory) for r, e in ests.items()}
     return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
 
 
-def fit_peak(est: dict) -> int:
-    """The bytes a rank's GPU must hold: the step's peak or an outer sync's, whichever is higher,
-    and the communicators of its process groups."""
-    mem = est["memory"]
+def fit_peak(mem: dict) -> int:
+    """The bytes a rank's GPU must hold, from its estimate's memory: the step's peak or an outer
+    sync's, whichever is higher, and the communicators of its process groups."""
     above = mem.get("sync_peak_bytes", 0) - mem.get("peak_bytes", 0)  # how far a sync peaks above the step
     return mem["peak_with_comm_groups_bytes"] + max(0, above)
 
@@ -130,31 +130,31 @@ def resynced(found: Fit, every: int) -> Fit:
     return dataclasses.replace(found, estimates=ests, step=found.step and resync(found.step, every=every))
 
 
-def _resynced(est: dict, every: int) -> dict:
-    outer, by_kind = est["outer"], dict(est["comm_bytes_per_step_by_kind"])
+def _resynced(est: Estimate, every: int) -> Estimate:
+    outer, by_kind = est.outer, dict(est.comm_bytes_per_step_by_kind)
     for kind, nbytes in outer["bytes_per_sync"].items():
         by_kind[kind] += nbytes / every - nbytes / outer["sync_every"]
-    return {
-        **est,
-        "outer": {**outer, "sync_every": every},
-        "comm_bytes_per_step_by_kind": by_kind,
-        "comm_bytes_per_step": sum(by_kind.values()),
-        "step": est.get("step") and resync(est["step"], every=every),
-    }
+    return dataclasses.replace(
+        est,
+        outer={**outer, "sync_every": every},
+        comm_bytes_per_step_by_kind=by_kind,
+        comm_bytes_per_step=sum(by_kind.values()),
+        step=est.step and resync(est.step, every=every),
+    )
 
 
 def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster, trace: Trace = estimate) -> dict:
     """The step on `cluster` at the fit's accumulation: the slowest traced rank's, extended from
     the short trace (see the module doc)."""
     world, short = len(devices), min(found.accum, SHORT_ACCUM)
-    rank = max(found.estimates, key=lambda r: found.estimates[r]["step"]["step_overlapped_s"])
-    step = found.estimates[rank]["step"]
+    rank = max(found.estimates, key=lambda r: found.estimates[r].step["step_overlapped_s"])
+    step = found.estimates[rank].step
     if found.accum == short:
         return step
     if cfg.parallelism.name == "fsdp":
         trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=1, global_batch_size=found.micro * world)
         single = dataclasses.replace(cfg, trainer=trainer)  # one micro-step of the same size
-        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace)["step"]
+        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace).step
         return extend_steps(one, step, found.accum - 1)
     per_micro = step["compute_s"] / short
     keys = ("compute_s", "step_serial_s", "step_overlapped_s")
@@ -206,7 +206,7 @@ def fit(
     traced: dict[int, dict[int, int]] = {}
     for f in seen:
         traced.setdefault(f.micro, {}).update(
-            {r: p - f.estimates[r]["memory"]["comm_group_bytes"] for r, p in f.peaks.items()}
+            {r: p - f.estimates[r].memory["comm_group_bytes"] for r, p in f.peaks.items()}
         )
     found = dataclasses.replace(found, probes=len(traced), traced=traced)
     if found.fits and cluster is not None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from sdp.errors import ConfigError
 from sdp.models import build_on_meta
 from sdp.outer import is_outer
+from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import estimate, planned_groups
 from sdp.planning.step_time import Cluster, step_times
 from sdp.run.config import RunConfig
@@ -49,7 +50,7 @@ SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the mo
 SPREAD = 0.005  # the most `layer_spread` the line is taken at; past it the model is traced whole
 HEAD = "model.norm"  # transformers' LLaMA: the final norm, where the decoder stack ends
 OUTER_BYTES = ("outer_backup_bytes", "outer_momentum_bytes")  # an outer loop's, on the line
-Trace = Callable[..., dict]  # estimate's signature: (cfg, *, world_size, rank, head=None) -> its figures
+Trace = Callable[..., Estimate]  # estimate's signature: (cfg, *, world_size, rank, head=None) -> its figures
 
 
 def extends(cfg: RunConfig) -> bool:
@@ -90,7 +91,7 @@ def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
 
 def layered_estimate(
     cfg: RunConfig, *, world_size: int, rank: int, cluster: Cluster | None = None, trace: Trace = estimate
-) -> dict:
+) -> Estimate:
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
     model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
     `step_times` on it (None without). `trace`: what makes each trace (the planner's reads
@@ -100,24 +101,22 @@ def layered_estimate(
         shorts, times = line
         one, two = (trace(short, world_size=world_size, rank=rank, head=HEAD) for short in shorts)
         est = extended(one, two, times, cluster=cluster)
-        return {
-            **est,
-            "n_params": _subnet_plan(cfg, world_size=world_size).full_params,
-            "memory": _with_groups(est["memory"], cfg, world_size=world_size, rank=rank),
-            "method": f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
-        }
+        return dataclasses.replace(
+            est,
+            n_params=_subnet_plan(cfg, world_size=world_size).full_params,
+            memory=_with_groups(est.memory, cfg, world_size=world_size, rank=rank),
+            method=f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
+        )
     if not extends(cfg) or layer_spread(cfg, world_size=world_size, rank=rank) > SPREAD:
         whole = trace(cfg, world_size=world_size, rank=rank)
-        return {**whole, "method": "traced", "step": None if cluster is None else step_times(whole, cluster)}
+        return dataclasses.replace(whole, method="traced", step=None if cluster is None else step_times(whole, cluster))
     one, two = (trace(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
     layers = cfg.model.num_layers
-    return {
-        **extended(one, two, layers - SHORT[0], cluster=cluster),
-        "method": f"layers {SHORT[0]} and {SHORT[1]}, extended to {layers}",
-    }
+    method = f"layers {SHORT[0]} and {SHORT[1]}, extended to {layers}"
+    return dataclasses.replace(extended(one, two, layers - SHORT[0], cluster=cluster), method=method)
 
 
-def extended(one: dict, two: dict, times: float, *, cluster: Cluster | None = None) -> dict:
+def extended(one: Estimate, two: Estimate, times: float, *, cluster: Cluster | None = None) -> Estimate:
     """The estimate on the line through the estimates `one` and `two`, `times` their difference
     past `one`: static bytes, each segment's peak (the largest is the peak), FLOPs, bytes sent;
     with a cluster, `step`. The rest (process groups, shapes) is `two`'s."""
@@ -125,7 +124,7 @@ def extended(one: dict, two: dict, times: float, *, cluster: Cluster | None = No
     def line(a: float, b: float) -> int:
         return round(a + times * (b - a))
 
-    mem1, mem2 = one["memory"], two["memory"]
+    mem1, mem2 = one.memory, two.memory
     memory = dict(mem2)
     for key in ("params_bytes", "grads_bytes", "optim_bytes", *OUTER_BYTES):
         if key in mem1:
@@ -140,32 +139,32 @@ def extended(one: dict, two: dict, times: float, *, cluster: Cluster | None = No
             peak["total"] = sum(peak.values())
         return out
 
-    segments = on_line(one["peak_segments"], two["peak_segments"])
+    segments = on_line(one.peak_segments, two.peak_segments)
     breakdown = max(segments.values(), key=lambda peak: peak["total"])
-    syncs = one["sync_segments"] and on_line(one["sync_segments"], two["sync_segments"])
+    syncs = one.sync_segments and on_line(one.sync_segments, two.sync_segments)
     if syncs:  # an outer sync's peak: the largest of its moments', each on its own line
         memory["sync_peak_bytes"] = max(peak["total"] for peak in syncs.values())
     memory |= {"peak_bytes": breakdown["total"], "peak_breakdown": breakdown}
     memory["peak_with_comm_groups_bytes"] = breakdown["total"] + memory["comm_group_bytes"]
-    by_kind = two["comm_bytes_per_step_by_kind"]
-    outer = two["outer"]
+    by_kind = two.comm_bytes_per_step_by_kind
+    outer = two.outer
     if outer is not None:  # a sync's bytes, kind by kind
         sent = outer["bytes_per_sync"]
-        outer = {**outer, "bytes_per_sync": {k: line(v, sent[k]) for k, v in one["outer"]["bytes_per_sync"].items()}}
-    return {
-        **two,
-        "outer": outer,
-        "memory": memory,
-        "n_params": line(one["n_params"], two["n_params"]),
-        "flops_per_step": line(one["flops_per_step"], two["flops_per_step"]),
-        "comm_bytes_per_step": line(one["comm_bytes_per_step"], two["comm_bytes_per_step"]),
-        "comm_bytes_per_step_by_kind": {k: line(v, by_kind[k]) for k, v in one["comm_bytes_per_step_by_kind"].items()},
-        "peak_segments": segments,
-        "sync_segments": syncs,
-        "timeline": None,
-        "step": None if cluster is None else extend_steps(step_times(one, cluster), step_times(two, cluster), times),
-        "trace_s": round(one["trace_s"] + two["trace_s"], 2),
-    }
+        outer = {**outer, "bytes_per_sync": {k: line(v, sent[k]) for k, v in one.outer["bytes_per_sync"].items()}}
+    return dataclasses.replace(
+        two,
+        outer=outer,
+        memory=memory,
+        n_params=line(one.n_params, two.n_params),
+        flops_per_step=line(one.flops_per_step, two.flops_per_step),
+        comm_bytes_per_step=line(one.comm_bytes_per_step, two.comm_bytes_per_step),
+        comm_bytes_per_step_by_kind={k: line(v, by_kind[k]) for k, v in one.comm_bytes_per_step_by_kind.items()},
+        peak_segments=segments,
+        sync_segments=syncs,
+        timeline=None,
+        step=None if cluster is None else extend_steps(step_times(one, cluster), step_times(two, cluster), times),
+        trace_s=round(one.trace_s + two.trace_s, 2),
+    )
 
 
 def block_forward(cfg: RunConfig) -> bool:

@@ -64,7 +64,7 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
         return Row(s, round(outcome.seconds, 2), refused=outcome.reason)
     ests = found.estimates
     busiest = found.busiest
-    memory = ests[busiest]["memory"]
+    memory = ests[busiest].memory
     out = Row(
         s,
         round(outcome.seconds, 2),
@@ -75,8 +75,8 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
         devices_gib=found.gib,
         breakdown_gib={k: round(v / GIB, 3) for k, v in memory["peak_breakdown"].items()},
         comm_groups=memory["comm_groups"],
-        method=ests[busiest]["method"],
-        comm_bytes_per_step=ests[busiest]["comm_bytes_per_step"],
+        method=ests[busiest].method,
+        comm_bytes_per_step=ests[busiest].comm_bytes_per_step,
         probes=found.probes,
         caveat=caveat(s, protocol=run.protocol),
     )

@@ -183,7 +183,7 @@ def fit_family(task: tuple) -> list[Outcome]:
 
 def _light(found: Fit) -> Fit:
     """The fit without its estimates' timelines (they stay in the worker)."""
-    ests = {r: {k: v for k, v in e.items() if k != "timeline"} for r, e in found.estimates.items()}
+    ests = {r: dataclasses.replace(e, timeline=None) for r, e in found.estimates.items()}
     return dataclasses.replace(found, estimates=ests)
 
 
@@ -260,7 +260,7 @@ def verify(row: Row, cfg: RunConfig, *, devices: list[float], trace: Trace = est
     stands (it may no longer fit)."""
     world = len(devices)
     short, _ = short_run(cfg, world=world, micro=row.micro_batch)
-    peaks = {r: fit_peak(trace(short, world_size=world, rank=r)) for r in row.peaks_bytes}
+    peaks = {r: fit_peak(trace(short, world_size=world, rank=r).memory) for r in row.peaks_bytes}
     fits = max(p / (devices[r] * GIB) for r, p in peaks.items()) <= 1
     method = "traced whole (verified)"
     gib = {r: devices[r] for r in peaks}

@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.paths import CONF_DIR
+from sdp.planning.estimates import Estimate
 
 CLUSTER_DIR = CONF_DIR / "cluster"
 
@@ -214,17 +215,17 @@ def optimizer_bytes(memory: dict) -> float:
     return 3 * memory["grads_bytes"] + 2 * memory["optim_bytes"]
 
 
-def step_times(est: dict, cluster: Cluster) -> dict:
+def step_times(est: Estimate, cluster: Cluster) -> dict:
     """An estimate's step on `cluster`, overlapped (as traced) and serial, in seconds."""
     collectives = [
         Collective(r["op"], r["kind"], r["bytes"], tuple(r["ranks"]), max(0.0, r["issue"] or 0.0), r["need"])
-        for r in est["timeline"]
+        for r in est.timeline
     ]
     common = dict(
-        step_flops=est["flops_per_step"],
-        optimizer_bytes=optimizer_bytes(est["memory"]),
+        step_flops=est.flops_per_step,
+        optimizer_bytes=optimizer_bytes(est.memory),
         cluster=cluster,
-        precision=est["precision"],
+        precision=est.precision,
     )
     over, serial = simulate(collectives, **common), simulate(collectives, serial=True, **common)
     out = {
@@ -237,14 +238,14 @@ def step_times(est: dict, cluster: Cluster) -> dict:
         "step_overlapped_s": over.step_s,
         "exposed_by_kind_s": over.by_kind,
     }
-    if est.get("sync_timelines"):
+    if est.sync_timelines:
         out.update(outer_sync_times(est, cluster, compute_s=over.compute_s))
         for key in ("step_serial_s", "step_overlapped_s"):  # the runtime waits for each sync
             out[key] += out["outer_sync_per_step_s"]
     return out
 
 
-def outer_sync_times(est: dict, cluster: Cluster, *, compute_s: float) -> dict:
+def outer_sync_times(est: Estimate, cluster: Cluster, *, compute_s: float) -> dict:
     """An outer loop's syncs on `cluster`: each fragment's collectives one after another (the
     runtime waits for them after the step), a window's H steps sharing their time; and what a
     schedule that ran each fragment's sync beside the next H / P steps of compute (Streaming
@@ -252,9 +253,9 @@ def outer_sync_times(est: dict, cluster: Cluster, *, compute_s: float) -> dict:
     per_fragment = [
         sum(collective_seconds(Collective(r["op"], r["kind"], r["bytes"], tuple(r["ranks"]), 0.0, 0.0), cluster)
             for r in timeline)
-        for timeline in est["sync_timelines"]
+        for timeline in est.sync_timelines
     ]  # fmt: skip
-    return sync_figures(per_fragment, every=est["outer"]["sync_every"], compute_s=compute_s)
+    return sync_figures(per_fragment, every=est.outer["sync_every"], compute_s=compute_s)
 
 
 def sync_figures(per_fragment: list[float], *, every: int, compute_s: float) -> dict:

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 import sdp
+from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import estimate
 from sdp.run.config import RunConfig
 
-FORMAT = 1  # the files' layout; a change of it starts an empty cache, like a change of the code
+FORMAT = 2  # the files' layout; a change of it starts an empty cache, like a change of the code
 
 
 def default_dir() -> Path:
@@ -66,7 +67,7 @@ class TraceCache:
         self.root = root
         self.made = self.read = 0
 
-    def __call__(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> dict:
+    def __call__(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
         if self.root is None:
             self.made += 1
             return estimate(cfg, world_size=world_size, rank=rank, head=head)
@@ -82,21 +83,23 @@ class TraceCache:
         return est
 
     @staticmethod
-    def _load(path: Path, name: str) -> dict | None:
+    def _load(path: Path, name: str) -> Estimate | None:
         try:
             entry = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return entry.get("estimate") if isinstance(entry, dict) and entry.get("key") == name else None
+            if isinstance(entry, dict) and entry.get("key") == name:
+                return Estimate.from_json(entry["estimate"])
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # unreadable, or not this trace: traced anew
+        return None
 
     @staticmethod
-    def _store(path: Path, name: str, est: dict) -> None:
+    def _store(path: Path, name: str, est: Estimate) -> None:
         """Write the trace whole, then rename it into place; a cache that cannot be written is
         only slower, so an OSError is not the run's."""
         temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps({"key": name, "estimate": est}))
+            temporary.write_text(json.dumps({"key": name, "estimate": est.to_json()}))
             os.replace(temporary, path)
         except OSError:
             temporary.unlink(missing_ok=True)
