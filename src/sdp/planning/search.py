@@ -55,14 +55,15 @@ class Composer:
 
     def __init__(self, overrides: list[str], *, world: int):
         self.overrides, self.world = overrides, world
-        self._bases: dict[tuple[str, str, bool], RunConfig] = {}
+        self._bases: dict[tuple[str, ...], RunConfig] = {}
 
     def base(self, masking: str, parallelism: str, outer: bool = False) -> RunConfig:
-        """The user's overrides with these (without their outer loop's unless `outer`)."""
-        key = (masking, parallelism, outer)
+        """The user's overrides with these (without their outer loop's unless `outer`), composed
+        once per distinct list (without an outer loop in the user's, `outer` changes nothing)."""
+        own = self.overrides if outer else outer_free(self.overrides)
+        key = (*own, f"masking={masking}", f"parallelism={parallelism}")
         if key not in self._bases:
-            own = self.overrides if outer else outer_free(self.overrides)
-            self._bases[key] = typed_config([*own, f"masking={masking}", f"parallelism={parallelism}"])
+            self._bases[key] = typed_config(list(key))
         return self._bases[key]
 
     def __call__(self, s: Structure) -> RunConfig:
