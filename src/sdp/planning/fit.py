@@ -67,13 +67,17 @@ class Fit:
 
     @property
     def busiest(self) -> int:
-        """The traced rank that fills the largest share of its GPU."""
-        return max(self.peaks, key=lambda r: self.peaks[r] / self.gib[r])
+        return busiest_of(self.peaks, self.gib)
 
     @property
     def headroom(self) -> float:
         """The smallest free share of a traced rank's GPU (negative: over by that share)."""
         return min(1 - self.peaks[r] / (self.gib[r] * GIB) for r in self.peaks)
+
+
+def busiest_of(peaks: dict[int, int], gib: dict[int, float]) -> int:
+    """The rank of `peaks` (bytes) that fills the largest share of its GPU (`gib`: GiB by rank)."""
+    return max(peaks, key=lambda r: peaks[r] / gib[r])
 
 
 def traced_ranks(cfg: RunConfig, *, devices: list[float]) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sdp.planning.fit import GIB
+from sdp.planning.fit import GIB, busiest_of
 from sdp.planning.space import Structure
 
 
@@ -74,7 +74,7 @@ class Row:
     @property
     def busiest_rank(self) -> int:
         """The traced rank that fills the largest share of its GPU."""
-        return max(self.peaks_bytes, key=lambda r: self.peaks_bytes[r] / self.devices_gib[r])
+        return busiest_of(self.peaks_bytes, self.devices_gib)
 
     @property
     def peak_gib(self) -> float:
