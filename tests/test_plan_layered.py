@@ -75,6 +75,19 @@ def test_each_segment_of_the_step_is_extended_on_its_own():
     assert three + 9 * (four - three) < 0.97 * whole.memory["peak_bytes"]
 
 
+def test_the_weight_refreshs_buffers_are_on_the_line_for_a_sender():
+    # After the step every rank issues every refresh bucket; a sender packs its own into one
+    # buffer. Packing them by concatenating strided pieces made a copy of each piece alive at
+    # once: a bump of one bucket at some depths, which the line multiplied (llama_1b, capacities
+    # [1]*4 + [0.25]*4, full AC, bf16: rank 4's line was 1.33% over its whole trace).
+    overrides = ["masking=backward", "masking.capacity=[1,0.5,0.5,0.25]", "parallelism.activation_checkpointing=full"]
+    cfg = estimator_config([*TINY, "model.num_layers=8", *overrides, "parallelism.mixed_precision=bf16"], 4)
+    whole = estimate(cfg, world_size=4, rank=0, head=HEAD)
+    one, two = (estimate(with_layers(cfg, n), world_size=4, rank=0, head=HEAD) for n in SHORT)
+    line = extended(one, two, 8 - SHORT[0])
+    assert line.peak_segments["after step"] == whole.peak_segments["after step"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

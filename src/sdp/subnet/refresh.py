@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.metrics.comm import CommCounter
-from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, broadcast_from_holders, split_by_size
+from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, broadcast_from_holders, packed, split_by_size
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class WeightRefresh:
     def _issue(self, i: int) -> None:
         b = self.buckets[i]
         if self.rank == b.source:
-            flat = torch.cat([t.src.view().reshape(-1) for t in b.transfers]).to(self.device)
+            flat = packed(b.transfers, numel=b.numel, dtype=torch.float32, device=self.device)
         else:
             flat = torch.empty(b.numel, dtype=torch.float32, device=self.device)
         self._flats[i] = flat
