@@ -1,6 +1,7 @@
 """Does a configuration fit, and with which micro-batch: the planner's probe of one structure."""
 
 import dataclasses
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +24,10 @@ def probes(monkeypatch):
     def estimate(cfg, *, world_size, rank, cluster=None, trace=None):
         micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
         seen.append((rank, micro))
-        peak = int(((1 + rank) + micro * 0.25) * GIB)
-        return SimpleNamespace(memory={"peak_with_comm_groups_bytes": peak, "comm_group_bytes": 0})  # the fields read
+        fixed, grows = int((1 + rank) * GIB), int(micro * 0.25 * GIB)
+        forward = {"weights": fixed, "activations": grows, "temporaries": 0, "total": fixed + grows}
+        memory = {"peak_bytes": fixed + grows, "peak_with_comm_groups_bytes": fixed + grows, "comm_group_bytes": 0}
+        return SimpleNamespace(memory=memory, peak_segments={"0 forward": forward})  # the fields read
 
     monkeypatch.setattr(sdp.planning.fit, "layered_estimate", estimate)
     return seen
@@ -39,7 +42,8 @@ def test_the_largest_micro_batch_that_fits_is_chosen(ddp, probes):
     found = fit(ddp, devices=[1.6, 1.6])  # rank 0: 1.25, 1.5, 2, 3 GiB at 1, 2, 4, 8
     assert found.fits and (found.micro, found.accum) == (2, 4)
     assert found.peaks == {0: int(1.5 * GIB)} and found.headroom == pytest.approx(1 - 1.5 / 1.6)
-    assert probes == [(0, 1), (0, 4), (0, 2)]  # the smallest first, then bisection
+    # The smallest first; its peak predicts 2 (1 GiB fixed, 0.25 a sample), and 4 confirms the miss.
+    assert probes == [(0, 1), (0, 2), (0, 4)]
     everything = fit(ddp, devices=[3.0, 3.0])
     assert (everything.micro, everything.accum, everything.headroom) == (8, 1, 0.0)
 
@@ -73,7 +77,7 @@ def test_on_mixed_gpus_the_walk_traces_one_rank_and_the_others_where_it_lands(pr
     probes.clear()
     # Without a lead, rank 0 (the smaller GPU) walks to 4, where rank 2 is over: every rank below.
     again = fit(cfg, devices=[2.0, 2.0, 3.5, 3.5])
-    assert probes == [(0, 1), (0, 2), (0, 4), (2, 4), (0, 1), (2, 1), (0, 2), (2, 2)]
+    assert probes == [(0, 1), (0, 4), (2, 4), (0, 1), (2, 1), (0, 2), (2, 2)]
     assert (again.micro, again.peaks, again.accum) == (found.micro, found.peaks, found.accum)
     probes.clear()
     miss = fit(cfg, devices=[1.0, 1.0, 3.5, 3.5])  # nothing fits: every kind's peak at micro-batch 1
@@ -118,18 +122,47 @@ def test_the_probe_is_the_layered_estimate_at_that_micro_batch(ddp):
     assert (found.micro, found.accum, found.headroom) == (2, 4, 0.0) and found.peaks == {0: peak}
 
 
-def test_a_guess_walks_up_while_the_next_fits_and_down_until_one_does(ddp, probes):
+def test_a_guess_starts_the_walk_and_each_probe_predicts_the_next(ddp, probes):
     found = fit(ddp, devices=[1.6, 1.6], guess=1)  # 1 and 2 fit, 4 does not
     assert (found.micro, found.probes) == (2, 3) and probes == [(0, 1), (0, 2), (0, 4)]
     probes.clear()
-    found = fit(ddp, devices=[1.6, 1.6], guess=8)  # a miss: bisection below it
+    found = fit(ddp, devices=[1.6, 1.6], guess=8)  # a miss: its peak predicts 2, and 4 confirms
     assert (found.micro, found.probes) == (2, 3) and probes == [(0, 8), (0, 2), (0, 4)]
     probes.clear()
     found = fit(ddp, devices=[1.3, 1.3], guess=8)
-    assert (found.micro, found.probes) == (1, 3) and probes == [(0, 8), (0, 2), (0, 1)]
+    assert (found.micro, found.probes) == (1, 3) and probes == [(0, 8), (0, 1), (0, 2)]
+    probes.clear()
+    found = fit(ddp, devices=[2.6, 2.6], guess=1)  # 1's peak predicts 4: 2 is never traced
+    assert (found.micro, found.probes) == (4, 3) and probes == [(0, 1), (0, 4), (0, 8)]
     probes.clear()
     miss = fit(ddp, devices=[1.0, 1.0], guess=3)  # a guess between divisors starts below it
     assert not miss.fits and probes == [(0, 2), (0, 1)] and miss.peaks == {0: int(1.25 * GIB)}
+
+
+def test_wrong_predictions_spare_no_probe_the_answer_needs(monkeypatch):
+    # Peaks that grow with the micro-batch but not in proportion (fixed parts and activations
+    # drawn at random): whatever each probe predicts, the walk lands where probing every
+    # micro-batch does, from every guess.
+    cfg = estimator_config([*TINY, "trainer.global_batch_size=128"], 2)  # 64 a rank: 1, 2, 4, ..., 64
+    rng = random.Random(0)
+    for _ in range(40):
+        fixed, steps = rng.uniform(0.5, 2), [rng.uniform(0, 1) for _ in range(7)]
+        curve = {2**i: fixed + sum(steps[: i + 1]) for i in range(7)}  # GiB, growing
+        shown = rng.uniform(0, 2)  # how much of the peak the breakdown calls activations
+
+        def estimate(cfg, *, world_size, rank, cluster=None, trace=None, curve=curve, shown=shown):
+            micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
+            peak = int(curve[micro] * GIB)
+            forward = {"activations": int(shown * GIB), "temporaries": 0, "total": peak}
+            memory = {"peak_bytes": peak, "peak_with_comm_groups_bytes": peak, "comm_group_bytes": 0}
+            return SimpleNamespace(memory=memory, peak_segments={"0 forward": forward, "optimizer": {"total": 0}})
+
+        monkeypatch.setattr(sdp.planning.fit, "layered_estimate", estimate)
+        gib = rng.uniform(fixed, fixed + sum(steps) + 0.5)
+        fitting = [m for m, p in curve.items() if int(p * GIB) <= gib * GIB]
+        for guess in (None, 1, 2, 4, 8, 16, 32, 64):
+            found = fit(cfg, devices=[gib, gib], guess=guess)
+            assert (found.fits, found.micro) == (bool(fitting), max(fitting, default=1)), (curve, gib, guess)
 
 
 ACCUM = [

@@ -6,9 +6,11 @@ its own GPU. Each probe is `layered_estimate` at exactly that micro-batch, not a
 extrapolation in it: the peak is not affine in the micro-batch, since the chunked loss's
 temporaries grow with it only up to one chunk (llama_1b: 0.37, 0.75, 0.76, 0.79 GiB at 1, 2,
 4, 8). Without a guess, `fit` traces the smallest micro-batch first (if that does not fit,
-nothing does: the miss is reported with its peak), then bisects the per-rank batch's
-divisors; with a guess (a similar structure's choice) it walks from there, up while the next
-fits or down until one does.
+nothing does: the miss is reported with its peak); with a guess (a similar structure's
+choice) it starts there. Each later probe is at the per-rank batch's divisor where the last
+probe's peak predicts the boundary (`grown`: its activations in proportion to the
+micro-batch, the rest fixed), between the largest divisor known to fit and the smallest known
+to miss, until they are neighbours: the prediction only chooses which divisors are traced.
 
 A probe traces at most two accumulation steps (`short_run`): a rank's peak is the same for
 every accumulation count from 2 on (the gradients persist from the first micro-step; each
@@ -199,14 +201,14 @@ def fit(
 
     start = None if guess is None else max(i for i, m in enumerate(options[:n]) if m <= guess)
     walker = lead if lead in ranks else min(ranks, key=lambda r: devices[r])
-    found = _walk(lambda i: at(i, [walker]), n, start) if len(ranks) > 1 else _walk(at, n, start)
+    found = _walk(at if len(ranks) == 1 else lambda i: at(i, [walker]), options[:n], start)
     if len(ranks) > 1:
         i = options.index(found.micro)
         rest = at(i, [r for r in ranks if r != walker])
         if rest.headroom >= 0 or not found.fits:  # they fit there too, or nothing fits
             found = _joined(found, rest)
         else:  # one of them is over where the lead fits: every rank, below that micro-batch
-            found = _walk(at, i, None) if i > 0 else _joined(found, rest)
+            found = _walk(at, options[:i], None) if i > 0 else _joined(found, rest)
     traced: dict[int, dict[int, int]] = {}
     for f in seen:
         traced.setdefault(f.micro, {}).update(
@@ -234,28 +236,46 @@ def _joined(lead: Fit, rest: Fit) -> Fit:
     )
 
 
-def _walk(at, n: int, start: int | None) -> Fit:
-    """The fit at the largest index in [0, n) that fits (the smallest's miss when none does).
-    Without a start: the smallest, then bisection above it. From a start (a guess): up one
-    index at a time while the next fits, or bisection below it when it misses."""
-    found = at(start or 0)
-    if found.headroom < 0 and not start:
-        return dataclasses.replace(found, accum=None)
-    if found.headroom >= 0 and start is not None:
-        while start + 1 < n and (bigger := at(start + 1)).headroom >= 0:
-            found, start = bigger, start + 1
-        return found
-    fits = found.headroom >= 0
-    best, lo, hi = (found, 0, n - 1) if fits else (None, 0, start - 1)  # the answer's index is in [lo, hi]
-    best_at = 0 if fits else None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        probed = at(mid)
-        if probed.headroom >= 0:
-            best, best_at, lo = probed, mid, mid
+def _walk(at, options: list[int], start: int | None) -> Fit:
+    """The fit at the largest micro-batch of `options` (ascending) that fits; the smallest's miss
+    when none does. From `start` (an index; the smallest without one), each probe is where the
+    last one predicts the boundary (`_predicted`), kept strictly between the largest index known
+    to fit and the smallest known to miss; the walk ends when they are neighbours. A peak grows
+    with the micro-batch, so the answer is the one probing every index gives: the prediction
+    only decides which probes are spared."""
+    known: dict[int, Fit] = {}
+    fits, misses = -1, len(options)  # the largest index known to fit; the smallest known to miss
+    i = start or 0
+    while fits + 1 < misses:
+        known[i] = at(i)
+        if known[i].headroom >= 0:
+            fits = i
         else:
-            hi = mid - 1
-    if best_at == lo:
-        return best
-    last = at(lo)  # lo == 0, not probed yet
-    return last if last.headroom >= 0 else dataclasses.replace(last, accum=None)
+            misses = i
+        i = min(max(_predicted(known[i], options), fits + 1), misses - 1)
+    return known[fits] if fits >= 0 else dataclasses.replace(known[0], accum=None)
+
+
+def _predicted(found: Fit, options: list[int]) -> int:
+    """The index of the largest micro-batch of `options` at which every rank of `found` would
+    fit, by `grown` (0 when none would)."""
+
+    def fits(micro: int) -> bool:
+        return all(grown(found.estimates[r], found.micro, micro) <= found.gib[r] * GIB for r in found.peaks)
+
+    return max((i for i, m in enumerate(options) if fits(m)), default=0)
+
+
+def grown(est: Estimate, micro: int, to: int) -> float:
+    """`fit_peak` of `est`, traced at micro-batch `micro`, guessed at micro-batch `to`: in each
+    micro-step's segments of the step (sdp.planning.segments) the activations in proportion to
+    the micro-batch; the rest, and the segments after the micro-steps (the gradients' sync, the
+    optimizer, what the step leaves behind), as traced. A guess: the temporaries of a backward
+    grow too, the chunked loss's stop at a chunk, and FSDP's gathered weights never grow."""
+    scale = to / micro - 1
+    live = max(
+        peak["total"] + (scale * peak["activations"] if name[0].isdigit() else 0)
+        for name, peak in est.peak_segments.items()
+    )
+    mem = est.memory
+    return fit_peak({**mem, "peak_bytes": live, "peak_with_comm_groups_bytes": live + mem["comm_group_bytes"]})
