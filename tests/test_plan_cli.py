@@ -1,6 +1,7 @@
 """`python -m sdp.plan`: its refusals, a tiny plan checked against sdp.estimate, and its top row run."""
 
 import dataclasses
+import importlib.util
 import json
 import re
 import shlex
@@ -233,3 +234,26 @@ def test_both_commands_read_the_machine_alike(command, first, machine, capsys):
     assert command([*TINY, *first, machine]) == 2
     key = machine.partition("=")[0]
     assert capsys.readouterr().err == f"error: cluster=None: is required with {key}=: name the machine (cluster=NAME)\n"
+
+
+def test_a_partial_plan_check_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("plan_check", Path(__file__).parents[1] / "scripts/plan_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    plan = tmp_path / "plan.json"
+    rows = [{"run": name, "command": "python -m sdp.train x", "peaks_bytes": {}} for name in ("A", "B + AC", "C")]
+    plan.write_text(json.dumps({"devices_gib": [80.0] * 2, "ranked": ["A", "B + AC", "C"], "rows": rows}))
+    checked = []
+    monkeypatch.setattr(check, "check_row", lambda row, world: checked.append(row["run"]) or len(checked) / 1000)
+    out = tmp_path / "check.json"
+    for argv in ([str(plan), "--out", str(out)], [str(plan), "--rows", "B *", "--out", str(out)]):
+        monkeypatch.setattr(sys, "argv", ["plan_check.py", *argv])
+        assert check.main() == 0
+    assert checked == ["A", "B + AC", "C", "B + AC"]  # the second call checks the row that matches, alone
+    result = json.loads(out.read_text())
+    assert [(r["run"], r["relative_difference"]) for r in result["rows"]] == [
+        ("A", 0.001),
+        ("B + AC", 0.004),
+        ("C", 0.003),
+    ]
+    assert result["worst"] == 0.004
