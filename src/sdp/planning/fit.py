@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import busiest_rank, estimate
 from sdp.planning.layered import Trace, extend_steps, layered_estimate
+from sdp.planning.segments import in_micro_step
 from sdp.planning.step_time import Cluster, resync
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
@@ -69,6 +70,7 @@ class Fit:
 
     @property
     def busiest(self) -> int:
+        """The traced rank that fills the largest share of its GPU."""
         return busiest_of(self.peaks, self.gib)
 
     @property
@@ -274,7 +276,7 @@ def grown(est: Estimate, micro: int, to: int) -> float:
     grow too, the chunked loss's stop at a chunk, and FSDP's gathered weights never grow."""
     scale = to / micro - 1
     live = max(
-        peak["total"] + (scale * peak["activations"] if name[0].isdigit() else 0)
+        peak["total"] + (scale * peak["activations"] if in_micro_step(name) else 0)
         for name, peak in est.peak_segments.items()
     )
     mem = est.memory

@@ -158,7 +158,7 @@ class WeightRefresh:
     def _issue(self, i: int) -> None:
         b = self.buckets[i]
         if self.rank == b.source:
-            flat = packed(b.transfers, numel=b.numel, dtype=torch.float32, device=self.device)
+            flat = packed(b.transfers, dtype=torch.float32, device=self.device)
         else:
             flat = torch.empty(b.numel, dtype=torch.float32, device=self.device)
         self._flats[i] = flat

@@ -336,10 +336,10 @@ class Transfer:
     site: int = -1  # the unit group they belong to (weight refresh: the forward waits per site)
 
 
-def packed(transfers: Sequence[Transfer], *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def packed(transfers: Sequence[Transfer], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The sender's values of `transfers`, in order, in one new flat buffer: each piece copied
     into its place, so nothing but the buffer is allocated (a piece's view is strided)."""
-    flat, offset = torch.empty(numel, dtype=dtype, device=device), 0
+    flat, offset = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device), 0
     for t in transfers:
         view = t.src.view()
         flat.narrow(0, offset, t.numel).view(view.shape).copy_(view)
@@ -365,7 +365,7 @@ def broadcast_from_holders(
     for src in sorted(by_source):
         for bucket in split_by_size(by_source[src], numel=lambda t: t.numel, cap_elems=cap):
             if rank == src:
-                flat = packed(bucket, numel=sum(t.numel for t in bucket), dtype=dtype, device=device)
+                flat = packed(bucket, dtype=dtype, device=device)
                 if comm is not None:
                     comm.add(kind, flat.numel() * flat.element_size())
             else:
