@@ -5,8 +5,9 @@ that imported torch, the package and each model family's library once per test s
 `nproc` ranks and returns what `python -m sdp.train --nproc-per-node=nproc` would: a
 CompletedProcess whose returncode is the entrypoint's launcher's (`job_exit_code`), with the
 ranks' stdout and stderr in rank order. Each rank gets what torchrun gives a worker: RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and a fresh store's MASTER_ADDR and MASTER_PORT,
-in the caller's `env` and `cwd`, with one thread. As torchrun does, a rank that fails gets
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and the address of a store this process serves
+(MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), in the caller's `env` and `cwd`,
+with one thread. As torchrun does, a rank that fails gets
 the others SIGTERM, then SIGKILL after `TERM_GRACE_S`.
 
 The server is multiprocessing's forkserver: a clean process (no pytest state, no process
@@ -21,7 +22,6 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +29,8 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+
+from torch.distributed import TCPStore
 
 # Imported once, in the server; every rank starts with them loaded.
 PRELOAD = [
@@ -56,10 +58,12 @@ def _context() -> multiprocessing.context.BaseContext:
     return _CONTEXT
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agent_store(nproc: int) -> TCPStore:
+    """The job's store, served by this process on a port the kernel picks, as torchrun's agent
+    serves one: rank 0 does not bind a port chosen earlier, which another job of the session
+    (a pytest-xdist worker beside this one) could take between the choice and the bind (seen
+    once in CI: a rank's store client reset by a peer that was not its job's store)."""
+    return TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
 
 
 def _resolve(target: str):
@@ -118,6 +122,7 @@ def _world(rank: int, nproc: int, port: int) -> dict[str, str]:
         "ROLE_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "OMP_NUM_THREADS": "1",
     }
 
@@ -153,12 +158,12 @@ def run_ranks(
 ) -> subprocess.CompletedProcess:
     """`target` ("module:function") called with the list `args` on each of `nproc` forked ranks; see the
     module's docstring. Raises TimeoutError, with the ranks' output, after `timeout` seconds."""
-    ctx, port = _context(), free_port()
+    ctx, store = _context(), agent_store(nproc)
     STARTED["jobs"] += 1
     STARTED["ranks"] += nproc
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = [
-            ctx.Process(target=_rank_main, args=(target, list(args), _world(r, nproc, port), str(cwd), env, logs))
+            ctx.Process(target=_rank_main, args=(target, list(args), _world(r, nproc, store.port), str(cwd), env, logs))
             for r in range(nproc)
         ]
         for p in procs:
