@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import sys
 import time
 import traceback
@@ -104,12 +103,6 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(
     world: World, *, backend: str, device: torch.device | None = None, timeout_s: float = 1800.0
 ) -> None:
@@ -128,15 +121,16 @@ def init_process_group(
     read the address a dead rank of the attempt before published and fail to connect (seen
     with gloo in 2 of 5 restarts, and one hang)."""
     global _CONTROL
-    if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
     timeout = timedelta(seconds=timeout_s)
     # Groups made without a timeout of their own (by new_group, or a DeviceMesh) take torch's
     # default; it is this run's from here on.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     eager = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
-    store, rank, size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size, timeout=timeout))
+    if "MASTER_ADDR" in os.environ or world.world_size > 1:
+        meet = dist.rendezvous("env://", rank=world.rank, world_size=world.world_size, timeout=timeout)
+        store, rank, size = next(meet)
+    else:  # a process on its own: its store binds a port the kernel picks (none to race for)
+        store, rank, size = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout), 0, 1
     prefix = f"sdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     dist.init_process_group(
         backend=backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size, timeout=timeout, **eager
