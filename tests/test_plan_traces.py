@@ -8,10 +8,14 @@ import re
 import pytest
 from conftest import estimator_config
 
+from sdp.errors import ConfigError
 from sdp.plan import main
-from sdp.planning import traces
-from sdp.planning.estimator import estimate
+from sdp.planning import checks, fit, traces
+from sdp.planning.checks import CheckCache, Checked
+from sdp.planning.estimator import busiest_rank, estimate, planned_groups
 from sdp.planning.rows import Row, RunFacts
+from sdp.planning.search import Composer
+from sdp.planning.space import structures
 from sdp.planning.traces import TraceCache
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
@@ -56,12 +60,61 @@ def test_a_file_that_is_not_the_trace_is_traced_anew(tmp_path):
     assert cache(cfg, world_size=2, rank=0).memory == made.memory and cache.read == 1  # rewritten whole
 
 
-def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tmp_path, capsys):
+def test_a_check_tells_the_search_what_it_would_work_out_from_the_model():
+    # Structures of a random mask on equal GPUs and of capacities on mixed ones, neurons and
+    # blocks, SDP x FSDP too: the busiest rank and each rank's process groups, from the plan
+    # the checks built, are what the search computed from a model of its own.
+    busy = varied = 0
+    for extra, devices in ((["masking.construction=random"], [8.0] * 4), ([], [4.0, 4.0, 8.0, 8.0])):
+        compose = Composer([*TINY, "trainer.global_batch_size=32", *extra], world=4)
+        for s in structures(devices, min_coverage=0.25, granularities=("neuron", "block")):
+            try:
+                cfg, checked = compose.checked(s)
+            except ConfigError:
+                continue
+            expected = Checked(busiest_rank(cfg, world_size=4), tuple(planned_groups(cfg, world_size=4)))
+            assert checked == expected, s.label
+            busy, varied = busy + (checked.busiest_rank > 0), varied + (len(set(checked.groups)) > 1)
+    assert busy >= 10 and varied >= 10  # not only DDP's answers (rank 0, one group each)
+
+
+def test_a_check_is_answered_from_disk_for_the_same_config_world_and_code(tmp_path, monkeypatch):
+    sdp_cfg = estimator_config([*TINY, "masking=forward", "masking.coverage=0.5"], 4)
+    refused = estimator_config([*TINY, "masking=forward", "masking.capacity=[1,1,0.5,0.5]"], 4)
+    refused.masking.capacity = [1.0, 0.5]  # a length the check refuses after typing
+    cache = CheckCache(tmp_path)
+    first = cache(sdp_cfg, world_size=4)
+    with pytest.raises(ConfigError) as err:
+        cache(refused, world_size=4)
+    assert (cache.checked, cache.read) == (2, 0) and len(list((tmp_path / "checks").glob("*.json"))) == 2
+
+    def never(*args, **kwargs):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(checks, "validate", never)
+    assert cache(sdp_cfg, world_size=4) == first
+    with pytest.raises(ConfigError) as again:
+        cache(refused, world_size=4)
+    assert str(again.value) == str(err.value) and (cache.checked, cache.read) == (2, 2)
+    monkeypatch.undo()
+    cache(sdp_cfg, world_size=2)  # another world
+    monkeypatch.setattr(checks, "code_version", lambda: "another version of the code")
+    assert cache(sdp_cfg, world_size=4) == first
+    (path,) = [p for p in (tmp_path / "checks").glob("*.json") if "another version" in p.read_text()]
+    path.write_text("{half a fi")  # a writer that died: checked anew, rewritten whole
+    assert cache(sdp_cfg, world_size=4) == first and json.loads(path.read_text())["busiest_rank"] == 0
+    assert (cache.checked, cache.read) == (5, 2)
+
+
+def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tmp_path, capsys, monkeypatch):
     argv = [*TINY, "parallelism.comm_group_overhead_mb=0", "devices=2x0.04", "precision=fp32", "workers=1"]
     argv += ["checkpointing=none", "granularity=neuron", f"cache={tmp_path}"]
     plans = []
     # A trace does not see the cluster: the step time is computed from its collectives per call.
     for own in (["cluster=h100_nvlink"], ["cluster=cpu_2core", "objective=memory", "top=2"]):
+        if plans:  # nothing checks a config or builds a model again: the first call's answers
+            monkeypatch.setattr(checks, "validate", lambda *a, **k: pytest.fail("checked again"))
+            monkeypatch.setattr(fit, "busiest_rank", lambda *a, **k: pytest.fail("the model built again"))
         out_dir = tmp_path / own[0]
         assert main([*argv, *own, f"out={out_dir}"]) == 0
         counts = re.search(r"traces: (\d+) made, (\d+) read", capsys.readouterr().out).groups()

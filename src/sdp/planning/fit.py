@@ -84,13 +84,14 @@ def busiest_of(peaks: dict[int, int], gib: dict[int, float]) -> int:
     return max(peaks, key=lambda r: peaks[r] / gib[r])
 
 
-def traced_ranks(cfg: RunConfig, *, devices: list[float]) -> list[int]:
+def traced_ranks(cfg: RunConfig, *, devices: list[float], busiest: int | None = None) -> list[int]:
     """One rank of each kind: the same GPU size and the same capacity (SDP x FSDP: shard 0 of
-    its worker); the busiest rank alone when every GPU and every worker is the same."""
+    its worker); the busiest rank alone (`busiest`, when known) when every GPU and every worker
+    is the same."""
     world = len(devices)
     capacity = cfg.masking.capacity if is_sdp(cfg.masking.name) else None
     if capacity is None and len(set(devices)) == 1:
-        return [busiest_rank(cfg, world_size=world)]
+        return [busiest_rank(cfg, world_size=world) if busiest is None else busiest]
     per_worker = world // sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world)
     kinds: dict[tuple, int] = {}
     for rank in range(0, world, per_worker):
@@ -177,13 +178,15 @@ def fit(
     guess: int | None = None,
     below: int | None = None,
     lead: int | None = None,
+    busiest: int | None = None,
     trace: Trace = estimate,
 ) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
     starting from `guess` when given; with a cluster, its step there (`Fit.step`). `below`: a
     micro-batch known not to fit (from a structure that takes no more memory, `known_miss`): only
-    smaller ones are tried (micro-batch 1 still is, for its peak). `trace` makes each trace
-    (`sdp.planning.layered`).
+    smaller ones are tried (micro-batch 1 still is, for its peak). `busiest`: the run's
+    `busiest_rank` when known (its checks found it, `sdp.planning.checks`). `trace` makes each
+    trace (`sdp.planning.layered`).
 
     Where ranks of several kinds are traced (`traced_ranks`), the walk traces one, `lead` (the
     one on the smallest GPU unless given: a similar structure's busiest), and the others at
@@ -194,7 +197,7 @@ def fit(
     per_rank = cfg.trainer.global_batch_size // len(devices)
     options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
     n = max(1, sum(below is None or m < below for m in options))
-    ranks = traced_ranks(cfg, devices=devices)
+    ranks = traced_ranks(cfg, devices=devices, busiest=busiest)
     seen: list[Fit] = []
 
     def at(i: int, who: list[int] = ranks) -> Fit:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sdp.errors import ConfigError
 from sdp.outer import is_outer
 from sdp.paths import check_writable
+from sdp.planning.checks import CheckCache
 from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
 from sdp.planning.options import PlanArgs, parse_plan
@@ -27,7 +28,7 @@ from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer, Outcome, search, verify
 from sdp.planning.space import SYNC_EVERY, Structure, structures
 from sdp.planning.traces import TraceCache
-from sdp.run.config import RunConfig, validate
+from sdp.run.config import RunConfig
 
 VERIFIED = 3  # tries at a top row that a whole trace confirms
 CLOSE = 0.03  # the headroom under which a top row from a line is traced whole (the line's promise)
@@ -62,12 +63,13 @@ def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
     """The arguments, the composer, and the run's plain config, checked: every refusal of a bad
     input, before any trace."""
     args = parse_plan(argv)
-    composer = Composer(args.overrides, world=len(args.devices))
+    check = CheckCache(args.cache)
+    composer = Composer(args.overrides, world=len(args.devices), check=check)
     plain = composer.base("none", "ddp")
-    validate(plain, world_size=len(args.devices), offline=True, check_data=False)
+    check(plain, world_size=len(args.devices))
     outer = composer.base("none", "ddp", outer=True)
     if is_outer(outer.outer):  # the user's outer loop, checked as a DDP run would check it
-        validate(outer, world_size=len(args.devices), offline=True, check_data=False)
+        check(outer, world_size=len(args.devices))
         args = dataclasses.replace(args, sync_every=args.sync_every or SYNC_EVERY)
     elif args.sync_every is not None:
         raise ConfigError("sync_every", ",".join(map(str, args.sync_every)), "needs outer=diloco: the H it searches")

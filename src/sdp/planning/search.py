@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from sdp.errors import ConfigError
-from sdp.planning.estimator import estimate, planned_groups
+from sdp.planning.checks import CheckCache, Checked
+from sdp.planning.estimator import estimate
 from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
 from sdp.planning.layered import Trace
 from sdp.planning.rows import Row
 from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
 from sdp.planning.traces import TraceCache
-from sdp.run.config import RunConfig, apply_protocol, typed_config, validate
+from sdp.run.config import RunConfig, apply_protocol, typed_config
 from sdp.subnet import capacity_replaces_coverage, is_sdp
 
 
@@ -53,8 +54,9 @@ class Composer:
     """RunConfigs of structures on top of the user's overrides, composed once per (masking,
     parallelism, outer loop or not)."""
 
-    def __init__(self, overrides: list[str], *, world: int):
+    def __init__(self, overrides: list[str], *, world: int, check: CheckCache | None = None):
         self.overrides, self.world = overrides, world
+        self.check = check or CheckCache(None)
         self._bases: dict[tuple[str, ...], RunConfig] = {}
 
     def base(self, masking: str, parallelism: str, outer: bool = False) -> RunConfig:
@@ -68,6 +70,10 @@ class Composer:
 
     def __call__(self, s: Structure) -> RunConfig:
         """The structure's config, checked; ConfigError as the entrypoint would raise it."""
+        return self.checked(s)[0]
+
+    def checked(self, s: Structure) -> tuple[RunConfig, Checked]:
+        """The structure's config and what its checks told (`sdp.planning.checks`)."""
         cfg = copy.deepcopy(self.base(s.masking, s.parallelism, s.sync_every is not None))
         plain = self.base("none", s.parallelism)  # the step budget before the protocol scales it
         if s.sync_every is not None:
@@ -84,8 +90,7 @@ class Composer:
         _set(cfg, "parallelism.activation_checkpointing", s.checkpointing)
         _set(cfg, "parallelism.mixed_precision", s.precision)
         apply_protocol(cfg)
-        validate(cfg, world_size=self.world, offline=True, check_data=False)
-        return cfg
+        return cfg, self.check(cfg, world_size=self.world)
 
 
 def _get(cfg: RunConfig, key: str):
@@ -128,22 +133,21 @@ def no_bigger(a: Structure, b: Structure) -> bool:
     return covered and less_kept and (a.sync_every is None or b.sync_every is not None)
 
 
-def known_miss(s: Structure, cfg: RunConfig, fitted: list[tuple[Structure, Fit]], devices: list[float]) -> int | None:
+def known_miss(
+    s: Structure, cfg: RunConfig, groups: tuple[int, ...], fitted: list[tuple[Structure, Fit]], devices: list[float]
+) -> int | None:
     """The smallest micro-batch at which `s` cannot fit, from the traces of the structures of its
     family fitted before it that hold no more (`no_bigger`): a rank of theirs that, with the
-    communicators of `s`'s process groups on that rank, is over its GPU at a micro-batch is
-    over it under `s` too. None when they show none, or when the mask is not cyclic (a random
-    mask's units at two coverages are not nested)."""
+    communicators of `s`'s process groups on that rank (`groups`, each rank's), is over its GPU
+    at a micro-batch is over it under `s` too. None when they show none, or when the mask is not
+    cyclic (a random mask's units at two coverages are not nested)."""
     if is_sdp(cfg.masking.name) and cfg.masking.construction != "cyclic":
         return None
-    world, found = len(devices), None
-    comm = None
+    found = None
+    comm = [int(g * cfg.parallelism.comm_group_overhead_mb * 2**20) for g in groups]
     for a, fit_a in fitted:
         if not no_bigger(a, s):
             continue
-        if comm is None:
-            mb = cfg.parallelism.comm_group_overhead_mb
-            comm = [int(groups * mb * 2**20) for groups in planned_groups(cfg, world_size=world)]
         for micro, live in fit_a.traced.items():
             if any(bytes_ + comm[r] > devices[r] * GIB for r, bytes_ in live.items()):
                 found = micro if found is None else min(found, micro)
@@ -167,14 +171,23 @@ def fit_family(task: tuple) -> list[Outcome]:
     choice, below the smallest micro-batch that a structure holding no more missed at
     (`known_miss`), and on mixed GPUs walking with the one before's busiest rank. The traces
     decide every choice; the order only spares probes."""
-    pairs, devices, cluster, traces = task
-    out, guess = [], pairs[0][1].trainer.global_batch_size  # the first from the largest micro-batch
+    members, devices, cluster, traces = task
+    out, guess = [], members[0][1].trainer.global_batch_size  # the first from the largest micro-batch
     lead = None  # on mixed GPUs, the rank the walk traces (`fit`): the one before's busiest
     fitted: list[tuple[Structure, Fit]] = []
-    for s, cfg in pairs:
+    for s, cfg, checked in members:
         start, before = time.perf_counter(), (traces.made, traces.read)
-        below = known_miss(s, cfg, fitted, devices)
-        found = fit(cfg, devices=devices, cluster=cluster, guess=guess, below=below, lead=lead, trace=traces)
+        below = known_miss(s, cfg, checked.groups, fitted, devices)
+        found = fit(
+            cfg,
+            devices=devices,
+            cluster=cluster,
+            guess=guess,
+            below=below,
+            lead=lead,
+            busiest=checked.busiest_rank,
+            trace=traces,
+        )
         guess, lead = found.micro, found.busiest
         fitted.append((s, found))
         counts = (traces.made - before[0], traces.read - before[1])
@@ -195,7 +208,7 @@ def _quiet_worker() -> None:
 def search(
     space: list[Structure],
     *,
-    compose: Callable[[Structure], RunConfig],
+    compose: Composer,
     devices: list[float],
     cluster: Cluster | None,
     workers: int,
@@ -207,16 +220,16 @@ def search(
     where traces are kept between calls (None: nowhere)."""
     traces = traces or TraceCache(None)
     outcomes: dict[Structure, Outcome] = {}
-    composed = {}
+    composed: dict[Structure, tuple[RunConfig, Checked]] = {}
     for s in space:
         try:
-            composed[s] = compose(s)
+            composed[s] = compose.checked(s)
         except ConfigError as err:
             outcomes[s] = Outcome(s, None, reason=str(err))
     leads = lead_structures(list(composed))
     tasks = []
     for family in families([s for s in composed if leads[s] == s]):
-        tasks.append(([(s, composed[s]) for s in family], devices, cluster, traces))
+        tasks.append(([(s, *composed[s]) for s in family], devices, cluster, traces))
     done = len(outcomes)
     if workers > 1 and len(tasks) > 1:
         with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_quiet_worker) as pool:

@@ -94,12 +94,16 @@ class TraceCache:
 
     @staticmethod
     def _store(path: Path, name: str, est: Estimate) -> None:
-        """Write the trace whole, then rename it into place; a cache that cannot be written is
-        only slower, so an OSError is not the run's."""
-        temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps({"key": name, "estimate": est.to_json()}))
-            os.replace(temporary, path)
-        except OSError:
-            temporary.unlink(missing_ok=True)
+        write_whole(path, json.dumps({"key": name, "estimate": est.to_json()}))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` under a temporary name, then rename it into place, so that no reader sees
+    half a file; a cache that cannot be written is only slower, so an OSError is not the run's."""
+    temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
