@@ -21,7 +21,7 @@ def probes(monkeypatch):
     """A stand-in estimator: rank r's peak is (1 + r) GiB + micro-batch x 0.25 GiB; the probes are recorded."""
     seen = []
 
-    def estimate(cfg, *, world_size, rank, cluster=None, trace=None):
+    def estimate(cfg, *, world_size, rank, cluster=None, trace=None, spread=None):
         micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
         seen.append((rank, micro))
         fixed, grows = int((1 + rank) * GIB), int(micro * 0.25 * GIB)
@@ -150,7 +150,7 @@ def test_wrong_predictions_spare_no_probe_the_answer_needs(monkeypatch):
         curve = {2**i: fixed + sum(steps[: i + 1]) for i in range(7)}  # GiB, growing
         shown = rng.uniform(0, 2)  # how much of the peak the breakdown calls activations
 
-        def estimate(cfg, *, world_size, rank, cluster=None, trace=None, curve=curve, shown=shown):
+        def estimate(cfg, *, world_size, rank, cluster=None, trace=None, spread=None, curve=curve, shown=shown):
             micro = cfg.trainer.global_batch_size // world_size // cfg.trainer.grad_accum_steps
             peak = int(curve[micro] * GIB)
             forward = {"activations": int(shown * GIB), "temporaries": 0, "total": peak}

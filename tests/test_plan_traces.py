@@ -13,6 +13,7 @@ from sdp.plan import main
 from sdp.planning import checks, fit, traces
 from sdp.planning.checks import CheckCache, Checked
 from sdp.planning.estimator import busiest_rank, estimate, planned_groups
+from sdp.planning.layered import extends, layer_spread
 from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer
 from sdp.planning.space import structures
@@ -64,18 +65,21 @@ def test_a_check_tells_the_search_what_it_would_work_out_from_the_model():
     # Structures of a random mask on equal GPUs and of capacities on mixed ones, neurons and
     # blocks, SDP x FSDP too: the busiest rank and each rank's process groups, from the plan
     # the checks built, are what the search computed from a model of its own.
-    busy = varied = 0
-    for extra, devices in ((["masking.construction=random"], [8.0] * 4), ([], [4.0, 4.0, 8.0, 8.0])):
+    busy = varied = spread = 0
+    deep = ["model.num_layers=6", "model.num_heads=6", "model.num_kv_heads=6", "model.hidden_size=96"]
+    for extra, devices in ((["masking.construction=random"], [8.0] * 4), (deep, [4.0, 4.0, 8.0, 8.0])):
         compose = Composer([*TINY, "trainer.global_batch_size=32", *extra], world=4)
         for s in structures(devices, min_coverage=0.25, granularities=("neuron", "block")):
             try:
                 cfg, checked = compose.checked(s)
             except ConfigError:
                 continue
-            expected = Checked(busiest_rank(cfg, world_size=4), tuple(planned_groups(cfg, world_size=4)))
-            assert checked == expected, s.label
+            spreads = tuple(layer_spread(cfg, world_size=4, rank=r) for r in range(4)) if extends(cfg) else None
+            groups = tuple(planned_groups(cfg, world_size=4))
+            assert checked == Checked(busiest_rank(cfg, world_size=4), groups, spreads), s.label
             busy, varied = busy + (checked.busiest_rank > 0), varied + (len(set(checked.groups)) > 1)
-    assert busy >= 10 and varied >= 10  # not only DDP's answers (rank 0, one group each)
+            spread += spreads is not None and max(spreads) > 0
+    assert busy >= 10 and varied >= 10 and spread >= 5  # not only DDP's answers (rank 0, one group each, 0)
 
 
 def test_a_check_is_answered_from_disk_for_the_same_config_world_and_code(tmp_path, monkeypatch):

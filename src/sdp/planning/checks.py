@@ -14,6 +14,7 @@ does not survive JSON unchanged is checked again on every call.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from sdp.errors import ConfigError
 from sdp.planning.estimator import busiest_of_plan
+from sdp.planning.layered import extends, spread_of
 from sdp.planning.traces import code_version, write_whole
 from sdp.run.config import RunConfig, validate
 
@@ -29,10 +31,12 @@ from sdp.run.config import RunConfig, validate
 class Checked:
     """What checking a config tells the search besides that it passed, from the SDP plan the
     checks built: the rank a walk on equal GPUs traces (`estimator.busiest_rank`) and the
-    process groups each rank joins (`estimator.planned_groups`)."""
+    process groups each rank joins (`estimator.planned_groups`) and how far each rank's held
+    units are from the line in the depth (`layered.layer_spread`, for a run that `extends`)."""
 
     busiest_rank: int
     groups: tuple[int, ...]
+    spread: tuple[float, ...] | None  # each rank's `layered.layer_spread`; None: not on a line in the depth
 
 
 class CheckCache:
@@ -63,17 +67,17 @@ class CheckCache:
             if repr(json.loads(json.dumps(err.value, default=repr))) == repr(err.value):  # it reads back the same
                 write_whole(path, json.dumps({"key": name, "refused": [err.key, err.value, err.allowed]}))
             raise
-        entry = {"key": name, "refused": None, "busiest_rank": checked.busiest_rank, "groups": list(checked.groups)}
-        write_whole(path, json.dumps(entry))
+        write_whole(path, json.dumps({"key": name, "refused": None, **dataclasses.asdict(checked)}))
         return checked
 
 
 def _check(cfg: RunConfig, *, world_size: int) -> Checked:
     plan = validate(cfg, world_size=world_size, offline=True, check_data=False)
-    if plan is None:  # no SDP: every rank in the world's group alone
-        return Checked(0, (1,) * world_size)
+    if plan is None:  # no SDP: every rank in the world's group alone, all on the line
+        return Checked(0, (1,) * world_size, (0.0,) * world_size if extends(cfg) else None)
     groups = plan.comm_groups(steps=cfg.trainer.max_steps)
-    return Checked(busiest_of_plan(plan, world_size=world_size), tuple(groups))
+    spread = tuple(spread_of(plan, rank=r) for r in range(world_size)) if extends(cfg) else None
+    return Checked(busiest_of_plan(plan, world_size=world_size), tuple(groups), spread)
 
 
 def _answer(path: Path, name: str) -> Checked | ConfigError | None:
@@ -86,6 +90,8 @@ def _answer(path: Path, name: str) -> Checked | ConfigError | None:
         if entry["refused"] is not None:
             key, value, allowed = entry["refused"]
             return ConfigError(key, value, allowed)
-        return Checked(int(entry["busiest_rank"]), tuple(int(g) for g in entry["groups"]))
+        spread = entry["spread"]
+        spread = None if spread is None else tuple(float(x) for x in spread)
+        return Checked(int(entry["busiest_rank"]), tuple(int(g) for g in entry["groups"]), spread)
     except (OSError, ValueError, TypeError, KeyError):
         return None

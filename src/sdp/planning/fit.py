@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from sdp.planning.checks import Checked
 from sdp.planning.estimates import Estimate
 from sdp.planning.estimator import busiest_rank, estimate
 from sdp.planning.layered import Trace, extend_steps, layered_estimate
@@ -116,11 +117,17 @@ def probe(
     micro: int,
     cluster: Cluster | None,
     trace: Trace = estimate,
+    checked: Checked | None = None,
 ) -> Fit:
-    """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch)."""
+    """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch);
+    `checked`: what the config's checks told, when known."""
     world = len(devices)
     short, accum = short_run(cfg, world=world, micro=micro)
-    ests = {r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace) for r in ranks}
+    spread = {r: None if checked is None or checked.spread is None else checked.spread[r] for r in ranks}
+    ests = {
+        r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace, spread=spread[r])
+        for r in ranks
+    }
     peaks = {r: fit_peak(e.memory) for r, e in ests.items()}
     return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
 
@@ -178,15 +185,15 @@ def fit(
     guess: int | None = None,
     below: int | None = None,
     lead: int | None = None,
-    busiest: int | None = None,
+    checked: Checked | None = None,
     trace: Trace = estimate,
 ) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
     starting from `guess` when given; with a cluster, its step there (`Fit.step`). `below`: a
     micro-batch known not to fit (from a structure that takes no more memory, `known_miss`): only
-    smaller ones are tried (micro-batch 1 still is, for its peak). `busiest`: the run's
-    `busiest_rank` when known (its checks found it, `sdp.planning.checks`). `trace` makes each
-    trace (`sdp.planning.layered`).
+    smaller ones are tried (micro-batch 1 still is, for its peak). `checked`: what the config's
+    checks told (`sdp.planning.checks`: the busiest rank, each rank's spread), when known, so
+    that no SDP plan is built again. `trace` makes each trace (`sdp.planning.layered`).
 
     Where ranks of several kinds are traced (`traced_ranks`), the walk traces one, `lead` (the
     one on the smallest GPU unless given: a similar structure's busiest), and the others at
@@ -197,11 +204,13 @@ def fit(
     per_rank = cfg.trainer.global_batch_size // len(devices)
     options = [m for m in range(1, per_rank + 1) if per_rank % m == 0]  # micro-batches, smallest first
     n = max(1, sum(below is None or m < below for m in options))
-    ranks = traced_ranks(cfg, devices=devices, busiest=busiest)
+    ranks = traced_ranks(cfg, devices=devices, busiest=None if checked is None else checked.busiest_rank)
     seen: list[Fit] = []
 
     def at(i: int, who: list[int] = ranks) -> Fit:
-        seen.append(probe(cfg, devices=devices, ranks=who, micro=options[i], cluster=cluster, trace=trace))
+        seen.append(
+            probe(cfg, devices=devices, ranks=who, micro=options[i], cluster=cluster, trace=trace, checked=checked)
+        )
         return seen[-1]
 
     start = None if guess is None else max(i for i, m in enumerate(options[:n]) if m <= guess)

@@ -74,13 +74,17 @@ def layer_spread(cfg: RunConfig, *, world_size: int, rank: int) -> float:
     layers than in others. 0 without SDP."""
     if not is_sdp(cfg.masking.name):
         return 0.0
-    plan = _subnet_plan(cfg, world_size=world_size)
+    return spread_of(_subnet_plan(cfg, world_size=world_size), rank=rank)
+
+
+def spread_of(plan: SubnetPlan, *, rank: int) -> float:
+    """`layer_spread` from the run's SDP plan (a LLaMA's: a block is a layer)."""
     layers = {path: i for i, path in enumerate(plan.block_paths)}
     held: dict[str, list[int]] = {}
     for g, group in enumerate(plan.spec.groups):
         counts = held.setdefault(group.kind, [0] * len(layers))
         counts[layers[plan.enclosing_block(group.name)]] += plan.mask.held_units(plan.worker_of(rank), g).size
-    first, last = SHORT[0], cfg.model.num_layers - SHORT[0]
+    first, last = SHORT[0], len(layers) - SHORT[0]
     off = [abs(sum(c) - sum(c[:first]) - last * c[first]) / sum(c) for c in held.values() if sum(c)]
     return max(off, default=0.0)
 
@@ -90,12 +94,19 @@ def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
 
 
 def layered_estimate(
-    cfg: RunConfig, *, world_size: int, rank: int, cluster: Cluster | None = None, trace: Trace = estimate
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    rank: int,
+    cluster: Cluster | None = None,
+    trace: Trace = estimate,
+    spread: float | None = None,
 ) -> Estimate:
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the
     model allows (`method` says which); the whole trace otherwise. With a cluster, `step` holds
     `step_times` on it (None without). `trace`: what makes each trace (the planner's reads
-    them from its cache, `sdp.planning.traces`)."""
+    them from its cache, `sdp.planning.traces`). `spread`: the rank's `layer_spread`, when
+    known (the config's checks found it, `sdp.planning.checks`)."""
     line = block_line(cfg, world_size=world_size, rank=rank) if block_forward(cfg) else None
     if line is not None:
         shorts, times = line
@@ -107,7 +118,9 @@ def layered_estimate(
             memory=_with_groups(est.memory, cfg, world_size=world_size, rank=rank),
             method=f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
         )
-    if not extends(cfg) or layer_spread(cfg, world_size=world_size, rank=rank) > SPREAD:
+    if spread is None and extends(cfg):
+        spread = layer_spread(cfg, world_size=world_size, rank=rank)
+    if not extends(cfg) or spread > SPREAD:
         whole = trace(cfg, world_size=world_size, rank=rank)
         return dataclasses.replace(whole, method="traced", step=None if cluster is None else step_times(whole, cluster))
     one, two = (trace(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)

@@ -185,7 +185,7 @@ def fit_family(task: tuple) -> list[Outcome]:
             guess=guess,
             below=below,
             lead=lead,
-            busiest=checked.busiest_rank,
+            checked=checked,
             trace=traces,
         )
         guess, lead = found.micro, found.busiest
