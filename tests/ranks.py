@@ -7,8 +7,8 @@ CompletedProcess whose returncode is the entrypoint's launcher's (`job_exit_code
 ranks' stdout and stderr in rank order. Each rank gets what torchrun gives a worker: RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and the address of a store this process serves
 (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), in the caller's `env` and `cwd`,
-with one thread. As torchrun does, a rank that fails gets
-the others SIGTERM, then SIGKILL after `TERM_GRACE_S`.
+with one thread. As torchrun does, a rank that fails gets the others SIGTERM, then SIGKILL
+after `TERM_GRACE_S`.
 
 The server is multiprocessing's forkserver: a clean process (no pytest state, no process
 group, no threads) started on first use; forking it costs milliseconds where a fresh

@@ -53,9 +53,7 @@ from sdp.run.config import RunConfig
 from sdp.run.trainer import train_step
 from sdp.run.trainer_config import micro_batch_size
 from sdp.subnet import is_sdp, sdp_workers
-from sdp.subnet.mask import Mask
-from sdp.subnet.plan import SubnetPlan, plan_mask, planned_comm_groups
-from sdp.subnet.units import UnitSpec
+from sdp.subnet.plan import SubnetPlan, planned_comm_groups
 
 GIB = 2**30
 
@@ -70,20 +68,15 @@ def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
     if not is_sdp(cfg.masking.name):
         return 0
     workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    model = build_on_meta(cfg.model)
-    spec, mask = plan_mask(model, cfg.masking, family=cfg.model.family, world_size=workers)
-    return _busiest(spec, mask, {n: p.shape for n, p in model.named_parameters()}, world_size=world_size)
+    plan = SubnetPlan.build(build_on_meta(cfg.model), cfg.masking, family=cfg.model.family, workers=workers)
+    return busiest_of_plan(plan, world_size=world_size)
 
 
 def busiest_of_plan(plan: SubnetPlan, *, world_size: int) -> int:
     """`busiest_rank` from the run's SDP plan (one the config's checks built)."""
-    return _busiest(plan.spec, plan.mask, plan.shapes, world_size=world_size)
-
-
-def _busiest(spec: UnitSpec, mask: Mask, shapes: dict, *, world_size: int) -> int:
-    workers = mask.num_workers
+    workers = plan.workers
     held = [
-        sum(mask.held_units(w, g).size * group.unit_numel(shapes) for g, group in enumerate(spec.groups))
+        sum(plan.mask.held_units(w, g).size * group.unit_numel(plan.shapes) for g, group in enumerate(plan.spec.groups))
         for w in range(workers)
     ]
     return max(range(workers), key=lambda w: held[w]) * (world_size // workers)

@@ -118,9 +118,7 @@ def layered_estimate(
             memory=_with_groups(est.memory, cfg, world_size=world_size, rank=rank),
             method=f"{' and '.join(str(c.model.num_layers) for c in shorts)} layers, extended in held blocks",
         )
-    if spread is None and extends(cfg):
-        spread = layer_spread(cfg, world_size=world_size, rank=rank)
-    if not extends(cfg) or spread > SPREAD:
+    if not extends(cfg) or (layer_spread(cfg, world_size=world_size, rank=rank) if spread is None else spread) > SPREAD:
         whole = trace(cfg, world_size=world_size, rank=rank)
         return dataclasses.replace(whole, method="traced", step=None if cluster is None else step_times(whole, cluster))
     one, two = (trace(with_layers(cfg, n), world_size=world_size, rank=rank, head=HEAD) for n in SHORT)
