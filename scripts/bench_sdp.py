@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from sdp.launching.variants import Result, comparison_table, run_variants
-from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.estimator import estimate
+from sdp.planning.ranks import busiest_rank
 from sdp.planning.step_time import load_cluster, place, step_times
 from sdp.run.config import load_config
 

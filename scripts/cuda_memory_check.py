@@ -33,7 +33,8 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import peak_flops
 from sdp.optim import build_optimizer
 from sdp.planning.against import compare, format_against
-from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
+from sdp.planning.estimator import dummy_batch, estimate
+from sdp.planning.ranks import busiest_rank
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer, count_flops, measure_peak

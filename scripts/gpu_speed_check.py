@@ -43,7 +43,8 @@ from sdp import dist
 from sdp.data.prefetch import to_device
 from sdp.metrics.comm import CommCounter
 from sdp.optim import build_optimizer
-from sdp.planning.estimator import busiest_rank, dummy_batch, estimate
+from sdp.planning.estimator import dummy_batch, estimate
+from sdp.planning.ranks import busiest_rank
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
 from sdp.run.measure import PhaseTimer

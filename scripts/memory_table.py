@@ -72,7 +72,8 @@ STACKED_MODELS = ("llama_500m", "llama_1b")
 def _rows_for_model(model: str, world_size: int) -> list[dict]:
     """Every variant of one model, estimated in this (worker) process."""
     from sdp.errors import ConfigError
-    from sdp.planning.estimator import EstimateError, busiest_rank, estimate
+    from sdp.planning.estimator import EstimateError, estimate
+    from sdp.planning.ranks import busiest_rank
     from sdp.run.config import load_config
 
     base = [f"model={model}", *MODELS[model]]

@@ -20,7 +20,8 @@ from torch import nn
 
 from sdp import dist
 from sdp.metrics.comm import CommCounter
-from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.parallel import ParallelConfig
+from sdp.parallel.ddp import DDPStrategy
 from sdp.run.checkpoint import CheckpointTarget, SavedState, complete_checkpoints, write_checkpoint
 from sdp.run.resume import check_resume, choose_checkpoint, load_checkpoint
 

@@ -13,8 +13,9 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.models import build_model
 from sdp.optim import build_optimizer
-from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.parallel import ParallelConfig
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
+from sdp.parallel.ddp import DDPStrategy
 from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config

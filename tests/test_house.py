@@ -195,13 +195,19 @@ def test_a_long_function_is_found(tmp_path):
     assert long_functions({"sdp.long": tmp_path / "long.py"}) == []
 
 
-def test_the_entrypoint_imports_no_model_family_library():
+def test_the_entrypoints_import_only_what_they_use():
     """`import sdp.train` loads neither torchvision (and torch._dynamo with it), transformers nor
-    timm: a run imports only what its model family and dataset use (each costs ~1 s a process)."""
+    timm: a run imports only what its model family and dataset use (each costs ~1 s a process).
+    `import sdp.plan` loads none of the tracing machinery either (the estimator, DTensor, the FLOP
+    counter, sympy: about 1.5 s), which a plan that reads its traces back never uses."""
     import subprocess
     import sys
 
     heavy = ("torchvision", "transformers", "timm", "torch._dynamo")
-    probe = f"import sys, sdp.train; print([m for m in {heavy!r} if m in sys.modules])"
+    tracing = ("sdp.planning.estimator", "torch.distributed.tensor", "torch.utils.flop_counter", "sympy")
+    probe = (
+        f"import sys, sdp.plan; print([m for m in {heavy + tracing!r} if m in sys.modules]); "
+        f"import sdp.train; print([m for m in {heavy!r} if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"]

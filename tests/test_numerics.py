@@ -10,7 +10,8 @@ from torch import nn
 
 from sdp.metrics.comm import CommCounter
 from sdp.optim import OptimConfig, build_optimizer
-from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.parallel import ParallelConfig
+from sdp.parallel.ddp import DDPStrategy
 from sdp.run.measure import PhaseTimer
 from sdp.run.nonfinite import NonFiniteGuard, NonFiniteStep, skips_on_device
 from sdp.run.trainer import train_step

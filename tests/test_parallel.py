@@ -7,7 +7,8 @@ from conftest import BF16_GRAD_REL, BF16_LOSS_REL, estimator_config, launch, loa
 from sdp.errors import ConfigError
 from sdp.models import build_model
 from sdp.parallel.checkpointing import apply_activation_checkpointing
-from sdp.planning.estimator import estimate, planned_groups
+from sdp.planning.estimator import estimate
+from sdp.planning.ranks import planned_groups
 
 FAMILIES = ("llama", "resnet", "swin")
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "trainer.global_batch_size=16"]

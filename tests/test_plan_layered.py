@@ -3,8 +3,9 @@
 import pytest
 from conftest import estimator_config
 
-from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.estimator import estimate
 from sdp.planning.layered import HEAD, SHORT, extended, extends, layer_spread, layered_estimate, with_layers
+from sdp.planning.ranks import busiest_rank
 
 TINY = [
     "model=llama_tiny",

@@ -12,8 +12,9 @@ from sdp.errors import ConfigError
 from sdp.plan import main
 from sdp.planning import checks, fit, traces
 from sdp.planning.checks import CheckCache, Checked
-from sdp.planning.estimator import busiest_rank, estimate, planned_groups
+from sdp.planning.estimator import estimate
 from sdp.planning.layered import extends, layer_spread
+from sdp.planning.ranks import busiest_rank, planned_groups
 from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer
 from sdp.planning.space import structures

@@ -28,8 +28,9 @@ from sdp.outer import is_outer
 from sdp.paths import check_output_file
 from sdp.planning.against import compare, finished_run, format_against, measured_ranks
 from sdp.planning.estimates import Estimate
-from sdp.planning.estimator import EstimateError, busiest_rank, estimate, format_estimate, format_ranks
+from sdp.planning.estimator import EstimateError, estimate, format_estimate, format_ranks
 from sdp.planning.options import MAX_RANKS, EstimateArgs, parse_against, parse_estimate
+from sdp.planning.ranks import busiest_rank
 from sdp.planning.step_time import format_step_times, step_times
 from sdp.run.config import RunConfig, load_config
 from sdp.rundir import write_error

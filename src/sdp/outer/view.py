@@ -22,7 +22,8 @@ from torch import nn
 
 from sdp.metrics.comm import CommCounter
 from sdp.models import blocks
-from sdp.parallel import DDPStrategy, Strategy, host
+from sdp.parallel import Strategy, host
+from sdp.parallel.ddp import DDPStrategy
 from sdp.subnet.groups import HolderGroups
 from sdp.subnet.plan import block_index
 from sdp.subnet.resample import place_state

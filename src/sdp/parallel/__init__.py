@@ -19,7 +19,6 @@ from sdp.parallel.config import (
     Precision,
     validate_parallel,
 )
-from sdp.parallel.ddp import DDPStrategy
 from sdp.parallel.strategy import PortableState, Strategy, host, move_to, rank0_buffers
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "Backend",
     "Checkpointing",
     "CompileBackend",
-    "DDPStrategy",
     "ParallelConfig",
     "Parallelism",
     "PortableState",

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdp.errors import ConfigError
-from sdp.planning.estimator import busiest_of_plan
 from sdp.planning.layered import extends, spread_of
+from sdp.planning.ranks import busiest_of_plan
 from sdp.planning.traces import code_version, write_whole
 from sdp.run.config import RunConfig, validate
 
@@ -30,8 +30,8 @@ from sdp.run.config import RunConfig, validate
 @dataclass(frozen=True)
 class Checked:
     """What checking a config tells the search besides that it passed, from the SDP plan the
-    checks built: the rank a walk on equal GPUs traces (`estimator.busiest_rank`) and the
-    process groups each rank joins (`estimator.planned_groups`) and how far each rank's held
+    checks built: the rank a walk on equal GPUs traces (`ranks.busiest_rank`) and the
+    process groups each rank joins (`ranks.planned_groups`) and how far each rank's held
     units are from the line in the depth (`layered.layer_spread`, for a run that `extends`)."""
 
     busiest_rank: int

@@ -12,6 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 
 
+def in_micro_step(segment: str) -> bool:
+    """Whether `segment` (a key of `Estimate.peak_segments`, named by `sdp.planning.segments`) is
+    one of a micro-step's (`m forward`, `m head`, `m head backward`, `m backward`), where the
+    activations live; not the step's level before them, the sync, the optimizer or after the
+    step."""
+    return segment.split(" ", 1)[0].isdigit()
+
+
 @dataclass(frozen=True)
 class Estimate:
     """One rank's figures for one step of a run: what is traced, its memory, FLOPs and bytes

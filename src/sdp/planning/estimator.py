@@ -40,58 +40,27 @@ from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
-from sdp.models import build_model, build_on_meta
+from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.outer import is_outer
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import LocalDDPStrategy, view_of
-from sdp.parallel import DDPStrategy, ParallelConfig
+from sdp.parallel import ParallelConfig
+from sdp.parallel.ddp import DDPStrategy
 from sdp.planning.estimates import Estimate
+from sdp.planning.ranks import planned_groups
 from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
 from sdp.run.trainer import train_step
 from sdp.run.trainer_config import micro_batch_size
-from sdp.subnet import is_sdp, sdp_workers
-from sdp.subnet.plan import SubnetPlan, planned_comm_groups
+from sdp.subnet import is_sdp
 
 GIB = 2**30
 
 
 class EstimateError(RuntimeError):
     """The configured step could not be traced under FakeTensorMode."""
-
-
-def busiest_rank(cfg: RunConfig, *, world_size: int) -> int:
-    """The rank holding the most unit parameters under the run's mask (0 under DDP); under
-    SDP x FSDP, shard 0 of the busiest worker."""
-    if not is_sdp(cfg.masking.name):
-        return 0
-    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    plan = SubnetPlan.build(build_on_meta(cfg.model), cfg.masking, family=cfg.model.family, workers=workers)
-    return busiest_of_plan(plan, world_size=world_size)
-
-
-def busiest_of_plan(plan: SubnetPlan, *, world_size: int) -> int:
-    """`busiest_rank` from the run's SDP plan (one the config's checks built)."""
-    workers = plan.workers
-    held = [
-        sum(plan.mask.held_units(w, g).size * group.unit_numel(plan.shapes) for g, group in enumerate(plan.spec.groups))
-        for w in range(workers)
-    ]
-    return max(range(workers), key=lambda w: held[w]) * (world_size // workers)
-
-
-def planned_groups(cfg: RunConfig, *, world_size: int) -> list[int]:
-    """The process groups (NCCL communicators) each rank of the run joins, the world included."""
-    if not is_sdp(cfg.masking.name):
-        return [1] * world_size
-    workers = sdp_workers(cfg.parallelism, masking=cfg.masking.name, world_size=world_size)
-    model = build_on_meta(cfg.model)
-    fsdp = cfg.parallelism.fsdp_degree if cfg.parallelism.name == "fsdp" else 1
-    return planned_comm_groups(
-        model, cfg.masking, family=cfg.model.family, workers=workers, fsdp_degree=fsdp, steps=cfg.trainer.max_steps
-    )
 
 
 def dummy_batch(cfg: RunConfig, micro: int) -> dict:

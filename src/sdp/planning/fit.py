@@ -38,11 +38,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from sdp.planning.checks import Checked
-from sdp.planning.estimates import Estimate
-from sdp.planning.estimator import busiest_rank, estimate
+from sdp.planning.estimates import Estimate, in_micro_step
 from sdp.planning.layered import Trace, extend_steps, layered_estimate
-from sdp.planning.segments import in_micro_step
+from sdp.planning.ranks import busiest_rank
 from sdp.planning.step_time import Cluster, resync
+from sdp.planning.traces import trace_now
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
 
@@ -116,20 +116,24 @@ def probe(
     ranks: list[int],
     micro: int,
     cluster: Cluster | None,
-    trace: Trace = estimate,
+    trace: Trace = trace_now,
     checked: Checked | None = None,
 ) -> Fit:
     """Every traced rank's peak at micro-batch `micro` (accumulation chosen to fill the batch);
     `checked`: what the config's checks told, when known."""
     world = len(devices)
     short, accum = short_run(cfg, world=world, micro=micro)
-    spread = {r: None if checked is None or checked.spread is None else checked.spread[r] for r in ranks}
     ests = {
-        r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace, spread=spread[r])
+        r: layered_estimate(short, world_size=world, rank=r, cluster=cluster, trace=trace, spread=_spread(checked, r))
         for r in ranks
     }
     peaks = {r: fit_peak(e.memory) for r, e in ests.items()}
     return Fit(accum, micro, peaks, {r: devices[r] for r in ranks}, ests)
+
+
+def _spread(checked: Checked | None, rank: int) -> float | None:
+    """The rank's layer spread the config's checks told; None when they did not."""
+    return None if checked is None or checked.spread is None else checked.spread[rank]
 
 
 def fit_peak(mem: dict) -> int:
@@ -159,9 +163,17 @@ def _resynced(est: Estimate, every: int) -> Estimate:
     )
 
 
-def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluster, trace: Trace = estimate) -> dict:
+def step_at(
+    cfg: RunConfig,
+    found: Fit,
+    *,
+    devices: list[float],
+    cluster: Cluster,
+    trace: Trace = trace_now,
+    checked: Checked | None = None,
+) -> dict:
     """The step on `cluster` at the fit's accumulation: the slowest traced rank's, extended from
-    the short trace (see the module doc)."""
+    the short trace (see the module doc); `checked` as for `probe`."""
     world, short = len(devices), min(found.accum, SHORT_ACCUM)
     rank = max(found.estimates, key=lambda r: found.estimates[r].step["step_overlapped_s"])
     step = found.estimates[rank].step
@@ -170,7 +182,8 @@ def step_at(cfg: RunConfig, found: Fit, *, devices: list[float], cluster: Cluste
     if cfg.parallelism.name == "fsdp":
         trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=1, global_batch_size=found.micro * world)
         single = dataclasses.replace(cfg, trainer=trainer)  # one micro-step of the same size
-        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace).step
+        spread = _spread(checked, rank)
+        one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace, spread=spread).step
         return extend_steps(one, step, found.accum - 1)
     per_micro = step["compute_s"] / short
     keys = ("compute_s", "step_serial_s", "step_overlapped_s")
@@ -186,7 +199,7 @@ def fit(
     below: int | None = None,
     lead: int | None = None,
     checked: Checked | None = None,
-    trace: Trace = estimate,
+    trace: Trace = trace_now,
 ) -> Fit:
     """The largest micro-batch of `cfg` whose every rank fits its GPU (`devices`: GiB per rank),
     starting from `guess` when given; with a cluster, its step there (`Fit.step`). `below`: a
@@ -230,7 +243,7 @@ def fit(
         )
     found = dataclasses.replace(found, probes=len(traced), traced=traced)
     if found.fits and cluster is not None:
-        found.step = step_at(cfg, found, devices=devices, cluster=cluster, trace=trace)
+        found.step = step_at(cfg, found, devices=devices, cluster=cluster, trace=trace, checked=checked)
     return found
 
 

@@ -40,8 +40,9 @@ from sdp.errors import ConfigError
 from sdp.models import build_on_meta
 from sdp.outer import is_outer
 from sdp.planning.estimates import Estimate
-from sdp.planning.estimator import estimate, planned_groups
+from sdp.planning.ranks import planned_groups
 from sdp.planning.step_time import Cluster, step_times
+from sdp.planning.traces import trace_now
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
 from sdp.subnet.plan import SubnetPlan
@@ -99,7 +100,7 @@ def layered_estimate(
     world_size: int,
     rank: int,
     cluster: Cluster | None = None,
-    trace: Trace = estimate,
+    trace: Trace = trace_now,
     spread: float | None = None,
 ) -> Estimate:
     """`sdp.planning.estimator.estimate`'s figures for `rank`, from two short traces when the

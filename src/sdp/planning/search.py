@@ -26,13 +26,12 @@ import torch
 
 from sdp.errors import ConfigError
 from sdp.planning.checks import CheckCache, Checked
-from sdp.planning.estimator import estimate
 from sdp.planning.fit import GIB, Fit, fit, fit_peak, resynced, short_run
 from sdp.planning.layered import Trace
 from sdp.planning.rows import Row
 from sdp.planning.space import CHECKPOINTING, Structure, outer_free
 from sdp.planning.step_time import Cluster
-from sdp.planning.traces import TraceCache
+from sdp.planning.traces import TraceCache, trace_now
 from sdp.run.config import RunConfig, apply_protocol, typed_config
 from sdp.subnet import capacity_replaces_coverage, is_sdp
 
@@ -268,7 +267,7 @@ def _record(result: list[Outcome], outcomes: dict, done: int, total: int, progre
     return done
 
 
-def verify(row: Row, cfg: RunConfig, *, devices: list[float], trace: Trace = estimate) -> Row:
+def verify(row: Row, cfg: RunConfig, *, devices: list[float], trace: Trace = trace_now) -> Row:
     """A row's peaks from whole traces (every layer, at most 2 accumulation steps: the peak of
     any count from 2), replacing the line's (kept in `line_peaks_bytes`); the row as it then
     stands (it may no longer fit)."""

@@ -26,13 +26,6 @@ from sdp.metrics.memory import LivePeak
 from sdp.run.measure import PhaseTimer
 
 
-def in_micro_step(segment: str) -> bool:
-    """Whether `segment` is one of a micro-step's (`m forward`, `m head`, `m head backward`, `m
-    backward`), where the activations live; not the step's level before them, the sync, the
-    optimizer or after the step."""
-    return segment.split(" ", 1)[0].isdigit()
-
-
 class StepSegments(PhaseTimer):
     """A PhaseTimer that marks the segments of the step on a LivePeak while `tracking` it."""
 

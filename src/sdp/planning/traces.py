@@ -28,7 +28,6 @@ import torch
 
 import sdp
 from sdp.planning.estimates import Estimate
-from sdp.planning.estimator import estimate
 from sdp.run.config import RunConfig
 
 FORMAT = 2  # the files' layout; a change of it starts an empty cache, like a change of the code
@@ -40,6 +39,15 @@ def default_dir() -> Path:
         return Path(os.environ["SDP_CACHE_DIR"]) / "traces"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "sdp" / "traces"
+
+
+def trace_now(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
+    """`sdp.planning.estimator.estimate`, its module imported at the first call: the tracing
+    machinery (FakeTensor and its symbolic shapes, the FLOP counter, DTensor, FSDP, the training
+    loop) takes about 1.5 s of imports that a call reading every trace back has no use for."""
+    from sdp.planning.estimator import estimate  # deferred for its import time, not a cycle
+
+    return estimate(cfg, world_size=world_size, rank=rank, head=head)
 
 
 @functools.cache
@@ -60,7 +68,7 @@ def key(cfg: RunConfig, *, world_size: int, rank: int, head: str | None) -> str:
 
 
 class TraceCache:
-    """`estimate`, reading a trace made before from `root` and keeping each new one there;
+    """`trace_now`, reading a trace made before from `root` and keeping each new one there;
     `root=None`: every call traces. `made` and `read` count this process's calls."""
 
     def __init__(self, root: Path | None):
@@ -70,14 +78,14 @@ class TraceCache:
     def __call__(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
         if self.root is None:
             self.made += 1
-            return estimate(cfg, world_size=world_size, rank=rank, head=head)
+            return trace_now(cfg, world_size=world_size, rank=rank, head=head)
         name = key(cfg, world_size=world_size, rank=rank, head=head)
         path = self.root / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
         found = self._load(path, name)
         if found is not None:
             self.read += 1
             return found
-        est = estimate(cfg, world_size=world_size, rank=rank, head=head)
+        est = trace_now(cfg, world_size=world_size, rank=rank, head=head)
         self.made += 1
         self._store(path, name, est)
         return est

@@ -14,9 +14,10 @@ from sdp.metrics.comm import CommCounter
 from sdp.models import build_model, computes_loss
 from sdp.outer import is_outer
 from sdp.outer.view import LocalDDPStrategy
-from sdp.parallel import DDPStrategy, Strategy, move_to
+from sdp.parallel import Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
+from sdp.parallel.ddp import DDPStrategy
 from sdp.parallel.fsdp import FSDPStrategy
 from sdp.run.baselines import BASELINES, apply_unit_noise
 from sdp.run.config import RunConfig
