@@ -8,9 +8,10 @@ import re
 import pytest
 from conftest import estimator_config
 
+import sdp.models
 from sdp.errors import ConfigError
 from sdp.plan import main
-from sdp.planning import checks, fit, traces
+from sdp.planning import checks, traces
 from sdp.planning.checks import CheckCache, Checked
 from sdp.planning.estimator import estimate
 from sdp.planning.layered import extends, layer_spread
@@ -113,13 +114,14 @@ def test_a_check_is_answered_from_disk_for_the_same_config_world_and_code(tmp_pa
 
 def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tmp_path, capsys, monkeypatch):
     argv = [*TINY, "parallelism.comm_group_overhead_mb=0", "devices=2x0.04", "precision=fp32", "workers=1"]
-    argv += ["checkpointing=none", "granularity=neuron", f"cache={tmp_path}"]
+    argv += ["checkpointing=none", "granularity=neuron", "model.num_layers=6", f"cache={tmp_path}"]
     plans = []
     # A trace does not see the cluster: the step time is computed from its collectives per call.
     for own in (["cluster=h100_nvlink"], ["cluster=cpu_2core", "objective=memory", "top=2"]):
         if plans:  # nothing checks a config or builds a model again: the first call's answers
             monkeypatch.setattr(checks, "validate", lambda *a, **k: pytest.fail("checked again"))
-            monkeypatch.setattr(fit, "busiest_rank", lambda *a, **k: pytest.fail("the model built again"))
+            monkeypatch.setattr(sdp.models, "_META", {})  # the meta models this process built
+            monkeypatch.setattr(sdp.models, "_build_on_meta", lambda *a, **k: pytest.fail("a model built again"))
         out_dir = tmp_path / own[0]
         assert main([*argv, *own, f"out={out_dir}"]) == 0
         counts = re.search(r"traces: (\d+) made, (\d+) read", capsys.readouterr().out).groups()
