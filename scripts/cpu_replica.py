@@ -352,8 +352,8 @@ def grid(table: str, row: Row, base: list[str], factors: list[float], lr0: float
     the edge while its best point lies there, up to lrgrid.EXTENSIONS more; its points, each
     read from its run dir."""
     where, kind, limit = runs / table / "grid" / row.name, TABLES[table][3], len(factors) + lrgrid.EXTENSIONS
-    factors = list(factors)
-    factors += [p.factor for p in grid_points(where, lr0, kind) if p.factor not in factors]  # in job order
+    known = [p.factor for p in grid_points(where, lr0, kind)]  # in job order, each keeping its job dir
+    factors = known + [f for f in factors if f not in known]
     while True:
         rates = ",".join(f"{lr0 * f:.6g}" for f in factors)  # the points run before keep their job dirs
         sweep([*base, *row.overrides, f"optim.lr={rates}", "seed=0"], where, table)

@@ -162,6 +162,15 @@ def test_every_row_runs_its_grid_on_seed_0_and_its_seeds_at_the_best_rate(replic
     assert row in grid_md
 
 
+def test_a_grid_given_fewer_factors_than_it_ran_keeps_its_runs_and_adds_the_new_one(replica, tmp_path):
+    """`--grid 0.5 1 2 16` on a row extended to x8: the five points run keep their job dirs, only
+    x16 runs (the factors given first would renumber x4 and x8 and run them again)."""
+    shutil.copytree(replica[1], tmp_path / "runs")
+    _, _, _, sweeps = _play(tmp_path, "vision", ("n_sdp_forward-c0.25",), ["--grid", "0.5", "1", "2", "16"])
+    grid = [jobs for d, jobs in sweeps if "/grid/" in d]
+    assert [[o for o in job if o.startswith("optim.lr=")] for jobs in grid for job in jobs] == [["optim.lr=0.032"]]
+
+
 def test_the_tables_hold_the_chosen_runs_only(replica):
     _, _, out, _ = replica
     csv = (out / "resnet_tiny_fashion_mnist.csv").read_text().splitlines()
