@@ -199,7 +199,7 @@ def test_the_entrypoints_import_only_what_they_use():
     """`import sdp.train` loads neither torchvision (and torch._dynamo with it), transformers nor
     timm: a run imports only what its model family and dataset use (each costs ~1 s a process).
     `import sdp.plan` loads none of the tracing machinery either (the estimator, DTensor, the FLOP
-    counter, sympy: about 1.5 s), which a plan that reads its traces back never uses."""
+    counter, sympy: about 0.9 s), which a plan that reads its traces back never uses."""
     import subprocess
     import sys
 

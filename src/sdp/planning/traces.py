@@ -44,7 +44,7 @@ def default_dir() -> Path:
 def trace_now(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
     """`sdp.planning.estimator.estimate`, its module imported at the first call: the tracing
     machinery (FakeTensor and its symbolic shapes, the FLOP counter, DTensor, FSDP, the training
-    loop) takes about 1.5 s of imports that a call reading every trace back has no use for."""
+    loop) takes about 0.9 s of imports that a call reading every trace back has no use for."""
     from sdp.planning.estimator import estimate  # deferred for its import time, not a cycle
 
     return estimate(cfg, world_size=world_size, rank=rank, head=head)
