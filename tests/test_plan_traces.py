@@ -11,9 +11,10 @@ from conftest import estimator_config
 import sdp.models
 from sdp.errors import ConfigError
 from sdp.plan import main
-from sdp.planning import checks, traces
+from sdp.planning import checks, estimator, traces
 from sdp.planning.checks import CheckCache, Checked
 from sdp.planning.estimator import estimate
+from sdp.planning.fit import short_run
 from sdp.planning.layered import extends, layer_spread
 from sdp.planning.ranks import busiest_rank, planned_groups
 from sdp.planning.rows import Row, RunFacts
@@ -61,6 +62,41 @@ def test_a_file_that_is_not_the_trace_is_traced_anew(tmp_path):
         assert cache(cfg, world_size=2, rank=0).memory == made.memory
     assert (cache.made, cache.read) == (3, 0)
     assert cache(cfg, world_size=2, rank=0).memory == made.memory and cache.read == 1  # rewritten whole
+
+
+STEADY = [
+    (TINY, 2),
+    ([*TINY, "masking=backward", "masking.coverage=0.5", "parallelism.mixed_precision=bf16"], 2),
+    ([*TINY, "masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"], 4),
+    ([*TINY, *OUTER], 2),
+]
+
+
+@pytest.mark.parametrize("overrides,world", STEADY, ids=["ddp", "backward_bf16", "forward_x_fsdp", "outer"])
+def test_a_run_measured_again_at_another_batch_is_a_fresh_trace(overrides, world, monkeypatch):
+    """SteadyRuns measures a run it holds again at another micro-batch (accumulation 1, then 2):
+    every figure, segment and the collectives' timeline equal a fresh trace's (backward masking's
+    refresh is issued in the step before and needed in the next); one run is built for all, but
+    under an outer loop, whose runs are not kept."""
+    cfg = estimator_config(overrides, world)
+    built = []
+    monkeypatch.setattr(estimator._Run, "_build", _counting(estimator._Run._build, built))
+    configs = [short_run(cfg, world=world, micro=m)[0] for m in (16 // world, 1)]  # 1 accumulation step, then 2
+    with estimator.SteadyRuns() as trace:
+        steady = [trace(c, world_size=world, rank=world - 1, head="model.norm") for c in configs]
+    assert len(built) == (len(configs) if overrides[-1] == OUTER[-1] else 1)
+    for c, kept in zip(configs, steady, strict=True):
+        fresh = estimate(c, world_size=world, rank=world - 1, head="model.norm")
+        assert kept == dataclasses.replace(fresh, trace_s=kept.trace_s)
+    assert [e.micro_batch for e in steady] == [16 // world, 1]
+
+
+def _counting(method, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(args)
+        return method(self, *args, **kwargs)
+
+    return counted
 
 
 def test_a_check_tells_the_search_what_it_would_work_out_from_the_model():

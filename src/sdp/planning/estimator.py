@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
 from sdp.errors import ConfigError
-from sdp.metrics.comm import CommCounter
+from sdp.metrics.comm import COMM_KINDS, CommCounter
 from sdp.metrics.flops import flop_counter
 from sdp.metrics.memory import LivePeak
 from sdp.models import build_model
@@ -177,79 +177,184 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
     peak of each segment of the step in `peak_segments` (sdp.planning.segments), the head's
     apart when `head` names the module where it begins."""
     start = time.perf_counter()
-    device = torch.device("cpu")
-    # No NaN check under fake tensors (it reads a value); it costs a scalar, nothing to measure.
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, on_nonfinite="off"))
-    # Eager: compiled blocks fuse elementwise work and keep fewer activations, so the estimate of
-    # a compiled run is an upper bound (dynamo does not trace under this fake mode).
-    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, compile=False))
-    micro = micro_batch_size(cfg.trainer, world_size=world_size)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    comm = CommCounter()
-
-    def empty_build(model_cfg) -> torch.nn.Module:
-        """The plain model with storages made by the active fake mode. Built on the meta
-        device first: model constructors may read tensor values (timm's drop-path rates)."""
-        with unset_fake_temporarily(), torch.device("meta"):
-            model = build_model(model_cfg)
-        return _materialize(model, device)
-
-    def fake_build(model_cfg) -> torch.nn.Module:
-        with fake:
-            return empty_build(model_cfg)
-
-    world = dist.World(rank=rank, local_rank=0, world_size=world_size)
     with dist.fake_process_group(rank, world_size):
-        try:
-            if not is_sdp(cfg.masking.name):
-                # Under an outer loop DDP steps alone: no reducer to model.
-                ddp = LocalDDPStrategy if is_outer(cfg.outer) else TracedDDP
-                with fake:
-                    strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=empty_build, ddp=ddp)
-            else:
-                # The mask and layout are plain integer bookkeeping: they run outside the
-                # fake mode, on the fake model's shapes.
-                strategy = build_strategy(cfg, world=world, device=device, comm=comm, build=fake_build)
+        run = _Run(cfg, world_size=world_size, rank=rank)
+        est = run.measure(cfg, head=head)
+    return dataclasses.replace(est, trace_s=round(time.perf_counter() - start, 2))
+
+
+def _traceable(cfg: RunConfig) -> RunConfig:
+    """`cfg` as a trace runs it: no NaN check under fake tensors (it reads a value; it costs a
+    scalar, nothing to measure), and eager: compiled blocks fuse elementwise work and keep fewer
+    activations, so the estimate of a compiled run is an upper bound (dynamo does not trace
+    under this fake mode)."""
+    trainer = dataclasses.replace(cfg.trainer, on_nonfinite="off")
+    return dataclasses.replace(cfg, trainer=trainer, parallelism=dataclasses.replace(cfg.parallelism, compile=False))
+
+
+def run_key(cfg: RunConfig) -> str:
+    """What a `_Run` is built from: the config but its batch (`measure` takes any micro-batch
+    and accumulation)."""
+    trainer = dataclasses.replace(_traceable(cfg).trainer, global_batch_size=0, grad_accum_steps=0)
+    return repr(dataclasses.replace(_traceable(cfg), trainer=trainer))
+
+
+@contextlib.contextmanager
+def _one_line(cfg: RunConfig, *, rank: int, world_size: int):
+    """Any failure to trace becomes one clear line (an EstimateError); a config's refusal stays
+    itself."""
+    try:
+        yield
+    except (ConfigError, EstimateError):
+        raise
+    except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise EstimateError(
+            f"cannot trace a training step of model={cfg.model.name} masking={cfg.masking.name} "
+            f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
+        ) from err
+
+
+class _Run:
+    """One rank of a run under FakeTensorMode, built in the fake process group that is open, and
+    its first step made: it allocates what every later step finds (gradients, optimizer state;
+    one micro-step does that as well as all of them, at a fraction of the trace). `measure` then
+    traces its next step, at any micro-batch: a step after a measured one is the steady state too
+    (a run's third step follows its second), so a run measured at several micro-batches builds
+    and warms up once (`SteadyRuns`)."""
+
+    def __init__(self, cfg: RunConfig, *, world_size: int, rank: int):
+        cfg = _traceable(cfg)
+        self.world_size, self.rank, self.device = world_size, rank, torch.device("cpu")
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.comm = CommCounter()
+        self.timer = StepSegments(self.device)
+        self.measured = False
+        with _one_line(cfg, rank=rank, world_size=world_size):
+            self.strategy = self._build(cfg)
+            with self.fake:
+                self.outer = _outer_loop(cfg, self.strategy, comm=self.comm, device=self.device)
+                self.optimizer = build_optimizer(self.strategy.trainable(), cfg.optim)
+                self.comm.timeline = []
+                self._step(cfg, self._batches(cfg), accum=1)
+        self.comm.discard_step()
+
+    def _build(self, cfg: RunConfig):
+        device, fake = self.device, self.fake
+
+        def empty_build(model_cfg) -> torch.nn.Module:
+            """The plain model with storages made by the active fake mode. Built on the meta
+            device first: model constructors may read tensor values (timm's drop-path rates)."""
+            with unset_fake_temporarily(), torch.device("meta"):
+                model = build_model(model_cfg)
+            return _materialize(model, device)
+
+        def fake_build(model_cfg) -> torch.nn.Module:
             with fake:
-                outer = _outer_loop(cfg, strategy, comm=comm, device=device)
-                optimizer = build_optimizer(strategy.trainable(), cfg.optim)
-                batches = itertools.repeat(dummy_batch(cfg, micro))
-                timer = StepSegments(device)
+                return empty_build(model_cfg)
 
-                def run_step(accum: int | None = None) -> torch.Tensor:
-                    steps = accum or cfg.trainer.grad_accum_steps
-                    run = dataclasses.replace(cfg.trainer, grad_accum_steps=steps)
-                    return train_step(strategy, optimizer, batches, cfg=run, micro=micro, device=device, timer=timer)
+        world = dist.World(rank=self.rank, local_rank=0, world_size=self.world_size)
+        if not is_sdp(cfg.masking.name):
+            # Under an outer loop DDP steps alone: no reducer to model.
+            ddp = LocalDDPStrategy if is_outer(cfg.outer) else TracedDDP
+            with fake:
+                return build_strategy(cfg, world=world, device=device, comm=self.comm, build=empty_build, ddp=ddp)
+        # The mask and layout are plain integer bookkeeping: they run outside the fake mode, on
+        # the fake model's shapes.
+        return build_strategy(cfg, world=world, device=device, comm=self.comm, build=fake_build)
 
-                flops, static, (peak, segments), timeline = _profiled_steps(
-                    strategy, optimizer, run_step, comm, segments=timer, head=head, outer=outer
-                )
-        except ConfigError:
-            raise
-        except Exception as err:  # noqa: BLE001  (any tracing failure becomes one clear line)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise EstimateError(
-                f"cannot trace a training step of model={cfg.model.name} masking={cfg.masking.name} "
-                f"as rank {rank} of {world_size}: {type(err).__name__}: {first}"
-            ) from err
-    per_step = comm.per_step()
-    syncs, sent, sync_segments = static.pop("syncs", (None, {}, None))
-    for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
-        per_step[kind] += nbytes / cfg.outer.sync_every
-    groups = planned_groups(cfg, world_size=world_size)[rank]
-    return Estimate(
-        **_describe(cfg, strategy, world_size=world_size, rank=rank, micro=micro, sent=sent),
-        memory=_memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
-        peak_segments=segments,
-        flops_per_step=flops,
-        comm_bytes_per_step=sum(per_step.values()),
-        comm_bytes_per_step_by_kind=per_step,
-        sync_timelines=syncs,
-        sync_segments=sync_segments,  # an outer sync's peak by moment, by kind (None without one)
-        timeline=timeline,
-        precision=cfg.parallelism.mixed_precision,
-        trace_s=round(time.perf_counter() - start, 2),
-    )
+    def _step(self, cfg: RunConfig, batches, accum: int | None = None) -> torch.Tensor:
+        """One training step of `cfg` on `batches` (made before it, as a run's loader has them;
+        at `accum` accumulation steps if given), inside the fake mode."""
+        micro = micro_batch_size(cfg.trainer, world_size=self.world_size)
+        run = dataclasses.replace(cfg.trainer, grad_accum_steps=accum or cfg.trainer.grad_accum_steps)
+        return train_step(
+            self.strategy, self.optimizer, batches, cfg=run, micro=micro, device=self.device, timer=self.timer
+        )
+
+    def _batches(self, cfg: RunConfig):
+        return itertools.repeat(dummy_batch(cfg, micro_batch_size(cfg.trainer, world_size=self.world_size)))
+
+    def measure(self, cfg: RunConfig, *, head: str | None = None) -> Estimate:
+        """The next step of this run at `cfg`'s batch (its config but the batch is the run's)."""
+        cfg, comm = _traceable(cfg), self.comm
+        if self.measured:  # the step before is this step's warm-up now, as the first step was
+            comm.timeline = [_issued_before(rec) for rec in comm.timeline]
+        self.measured = True
+        with _one_line(cfg, rank=self.rank, world_size=self.world_size), self.fake:
+            batches = self._batches(cfg)
+            flops, static, (peak, segments), timeline, per_step = _profiled_steps(
+                self.strategy,
+                self.optimizer,
+                lambda: self._step(cfg, batches),
+                comm,
+                segments=self.timer,
+                head=head,
+                outer=self.outer,
+            )
+        syncs, sent, sync_segments = static.pop("syncs", (None, {}, None))
+        for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
+            per_step[kind] += nbytes / cfg.outer.sync_every
+        groups = planned_groups(cfg, world_size=self.world_size)[self.rank]
+        micro = micro_batch_size(cfg.trainer, world_size=self.world_size)
+        return Estimate(
+            **_describe(cfg, self.strategy, world_size=self.world_size, rank=self.rank, micro=micro, sent=sent),
+            memory=_memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
+            peak_segments=segments,
+            flops_per_step=flops,
+            comm_bytes_per_step=sum(per_step.values()),
+            comm_bytes_per_step_by_kind=per_step,
+            sync_timelines=syncs,
+            sync_segments=sync_segments,  # an outer sync's peak by moment, by kind (None without one)
+            timeline=timeline,
+            precision=cfg.parallelism.mixed_precision,
+            trace_s=0.0,
+        )
+
+
+class SteadyRuns:
+    """`estimate`, keeping the runs it traced for the next calls: a call for a run it holds (the
+    same config but the batch, `run_key`) measures that run's next step at the new batch instead
+    of building and warming up another (equal to a fresh trace, field by field but `trace_s`:
+    tests/test_plan_traces.py). The planner's workers probe a structure at several micro-batches,
+    so the warm-up, about 40% of a trace, is made once a structure. The fake process group of
+    one rank and world stays open between calls (a call for another closes it, and every run
+    kept), and so do the last `KEEP` runs; a run with an outer loop is not kept (its sync moves
+    the window on). `with SteadyRuns() as trace:` closes them at the end; no other process
+    group can be made in this process meanwhile."""
+
+    KEEP = 4  # the walk alternates the 3- and 4-layer models of a structure
+
+    def __init__(self):
+        self._group = contextlib.ExitStack()
+        self._at: tuple[int, int] | None = None  # the open group's (world, rank)
+        self._runs: dict[str, _Run] = {}
+
+    def __call__(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
+        start = time.perf_counter()
+        if self._at != (world_size, rank):
+            self.close()
+            self._group.enter_context(dist.fake_process_group(rank, world_size))
+            self._at = (world_size, rank)
+        key = run_key(cfg)
+        run = self._runs.pop(key, None) or _Run(cfg, world_size=world_size, rank=rank)
+        est = run.measure(cfg, head=head)
+        if run.outer is None:
+            self._runs[key] = run
+            while len(self._runs) > self.KEEP:
+                del self._runs[next(iter(self._runs))]
+        return dataclasses.replace(est, trace_s=round(time.perf_counter() - start, 2))
+
+    def close(self) -> None:
+        self._runs.clear()
+        self._group.close()
+        self._at = None
+
+    def __enter__(self) -> SteadyRuns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int, sent: dict) -> dict:
@@ -336,32 +441,36 @@ def _profiled_steps(
     segments: StepSegments,
     head: str | None,
     outer: OuterLoop | None = None,
-) -> tuple[int, dict, tuple[dict, dict], list[dict]]:
-    """Two steps: step 1 only allocates what every later step finds (gradients, optimizer
-    state; one micro-step does that as well as all of them, at a fraction of the trace); step 2
-    gives the FLOPs and the live peak (as `measure_peak` measures it, with the peak of each
-    segment that `segments`, the steps' timer, marks). Step 2's collectives are kept with the
-    FLOPs done when each is issued and needed (the step-time model), those it needs itself
-    (issued in it or just before). With an outer loop, its state joins the static bytes (and the
-    peak, on the device) and a sync is traced after step 2 for its peak (`sync_peak_bytes`).
-    Returns (FLOPs, static bytes, (peak by kind, peak by kind of each segment), timeline)."""
-    comm.timeline = []
-    run_step(1)
-    comm.discard_step()
+) -> tuple[int, dict, tuple[dict, dict], list[dict], dict[str, float]]:
+    """The step after the warm-up (`_Run`) gives the FLOPs and the live peak (as `measure_peak`
+    measures it, with the peak of each segment that `segments`, the steps' timer, marks). Its
+    collectives are kept with the FLOPs done when each is issued and needed (the step-time
+    model), those it needs itself (issued in it or just before: `comm.timeline` holds the step
+    before's, issued at no position). With an outer loop, its state joins the static bytes (and
+    the peak, on the device) and a sync is traced after the step for its peak
+    (`sync_peak_bytes`). Returns (FLOPs, static bytes, (peak by kind, peak by kind of each
+    segment), timeline, bytes sent by kind)."""
     static = strategy.memory(optimizer)
     live = LivePeak(strategy.model, optimizer, outer.device_state() if outer else ())
     with flop_counter() as counter, torch.compiler.set_stance("force_eager"):
         with live, segments.tracking(live, strategy.model, head):
             comm.position = counter.get_total_flops
             run_step()
-    comm.position, timeline, comm.timeline = None, comm.timeline, None
-    comm.end_step()
+    comm.position, timeline = None, comm.timeline
+    step = comm.end_step()
+    per_step = {kind: float(step.get(kind, 0)) for kind in COMM_KINDS}  # this step's, not a mean over the run's
     if outer is not None:  # the outer loop's state, and a sync's peak and collectives (a step's gradients alive)
         sync_segments, syncs, sent = _traced_syncs(strategy, optimizer, outer, comm)
         peak = max(p["total"] for p in sync_segments.values())
         static = {**static, **outer.memory(), "sync_peak_bytes": peak, "syncs": (syncs, sent, sync_segments)}
     needed = [rec for rec in timeline if rec["need"] is not None and rec["need"] >= 0]
-    return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed
+    return int(counter.get_total_flops()), static, (live.breakdown(), live.segments()), needed, per_step
+
+
+def _issued_before(rec: dict) -> dict:
+    """A collective of the step before the measured one, as the warm-up's are: issued at no
+    position of the measured step, and needed there or not at all (-1: needed before it)."""
+    return {**rec, "issue": None, "need": None if rec["need"] is None else -1.0}
 
 
 def _memory(static: dict, peak: dict, *, groups: int, group_mb: float) -> dict:

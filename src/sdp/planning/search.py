@@ -174,23 +174,24 @@ def fit_family(task: tuple) -> list[Outcome]:
     out, guess = [], members[0][1].trainer.global_batch_size  # the first from the largest micro-batch
     lead = None  # on mixed GPUs, the rank the walk traces (`fit`): the one before's busiest
     fitted: list[tuple[Structure, Fit]] = []
-    for s, cfg, checked in members:
-        start, before = time.perf_counter(), (traces.made, traces.read)
-        below = known_miss(s, cfg, checked.groups, fitted, devices)
-        found = fit(
-            cfg,
-            devices=devices,
-            cluster=cluster,
-            guess=guess,
-            below=below,
-            lead=lead,
-            checked=checked,
-            trace=traces,
-        )
-        guess, lead = found.micro, found.busiest
-        fitted.append((s, found))
-        counts = (traces.made - before[0], traces.read - before[1])
-        out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start, traces=counts))
+    with traces.steady():  # a structure probed at several micro-batches builds and warms up once
+        for s, cfg, checked in members:
+            start, before = time.perf_counter(), (traces.made, traces.read)
+            below = known_miss(s, cfg, checked.groups, fitted, devices)
+            found = fit(
+                cfg,
+                devices=devices,
+                cluster=cluster,
+                guess=guess,
+                below=below,
+                lead=lead,
+                checked=checked,
+                trace=traces,
+            )
+            guess, lead = found.micro, found.busiest
+            fitted.append((s, found))
+            counts = (traces.made - before[0], traces.read - before[1])
+            out.append(Outcome(s, _light(found), seconds=time.perf_counter() - start, traces=counts))
     return out
 
 

@@ -17,6 +17,7 @@ package's code starts an empty cache (the old files stay: delete the folder to r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -50,6 +51,13 @@ def trace_now(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = 
     return estimate(cfg, world_size=world_size, rank=rank, head=head)
 
 
+def steady_runs():
+    """A `sdp.planning.estimator.SteadyRuns`, its module imported then (as `trace_now`)."""
+    from sdp.planning.estimator import SteadyRuns  # deferred for its import time, not a cycle
+
+    return SteadyRuns()
+
+
 @functools.cache
 def code_version() -> str:
     """A digest of everything besides the config that a trace depends on: the package's source
@@ -74,21 +82,46 @@ class TraceCache:
     def __init__(self, root: Path | None):
         self.root = root
         self.made = self.read = 0
+        self._steady = False
+        self._runs = None  # a SteadyRuns while `steady` holds and a trace was made
+
+    @contextlib.contextmanager
+    def steady(self):
+        """Inside, the traces this process makes keep their runs for the next (the estimator's
+        `SteadyRuns`: a run traced again at another micro-batch skips its build and warm-up);
+        made at the first trace, so a call that reads every trace back imports no tracing."""
+        self._steady = True
+        try:
+            yield self
+        finally:
+            self._steady = False
+            if self._runs is not None:
+                self._runs.close()
+                self._runs = None
 
     def __call__(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
         if self.root is None:
-            self.made += 1
-            return trace_now(cfg, world_size=world_size, rank=rank, head=head)
+            return self._trace(cfg, world_size=world_size, rank=rank, head=head)
         name = key(cfg, world_size=world_size, rank=rank, head=head)
         path = self.root / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
         found = self._load(path, name)
         if found is not None:
             self.read += 1
             return found
-        est = trace_now(cfg, world_size=world_size, rank=rank, head=head)
-        self.made += 1
+        est = self._trace(cfg, world_size=world_size, rank=rank, head=head)
         self._store(path, name, est)
         return est
+
+    def _trace(self, cfg: RunConfig, *, world_size: int, rank: int, head: str | None) -> Estimate:
+        self.made += 1
+        if not self._steady:
+            return trace_now(cfg, world_size=world_size, rank=rank, head=head)
+        if self._runs is None:
+            self._runs = steady_runs()
+        return self._runs(cfg, world_size=world_size, rank=rank, head=head)
+
+    def __getstate__(self) -> dict:  # sent to the planner's workers: no runs travel
+        return {**self.__dict__, "_steady": False, "_runs": None}
 
     @staticmethod
     def _load(path: Path, name: str) -> Estimate | None:
