@@ -191,7 +191,8 @@ def main() -> int:
                 cfg, world_size=args.world_size, rank=row["rank"], device=device, steps=args.steps
             )
             if not args.no_estimate:
-                row["estimate"] = estimate(cfg, world_size=args.world_size, rank=row["rank"]).to_json()
+                est = estimate(cfg, world_size=args.world_size, rank=row["rank"], target=device.type)
+                row["estimate"] = est.to_json()
         except Exception as err:  # noqa: BLE001  (one variant failing must not lose the others)
             traceback.print_exc()
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -115,3 +115,29 @@ def test_cuda_gets_the_fused_optimizer_only_over_dense_tensors():
         "optim.implementation='fused': CUDA's fused kernels take dense tensors only, and this run trains views "
         "of a weight's columns (masking=backward of neurons or channels): use optim.implementation=auto or foreach"
     )
+
+
+def test_dtensors_beside_plain_tensors_get_the_per_tensor_loop():
+    # Neuron SDP x FSDP of a ResNet or Swin trains FSDP's sharded weights (DTensors) beside its
+    # replicated biases and norms: CUDA's fused AdamW and torch's foreach (its default there) both
+    # stop at the first step, "aten._fused_adamw_.default got mixed torch.Tensor and DTensor".
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    with dist.fake_process_group(0, 2):
+        mesh = dist.device_mesh("cpu", (2,), ("shard",))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]))
+        plain = torch.nn.Parameter(torch.ones(3))
+        cuda = torch.device("cuda")
+        optimizer = build_optimizer([sharded, plain], OptimConfig(), device=cuda, default_foreach=True)
+        assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (None, False)
+        sharded.grad, plain.grad = torch.ones_like(sharded), torch.ones_like(plain)
+        optimizer.step()  # takes both
+        assert build_optimizer([sharded], OptimConfig(), device=cuda).defaults["fused"]  # one kind: fused
+        for implementation in ("fused", "foreach"):
+            with pytest.raises(ConfigError) as refused:
+                build_optimizer([sharded, plain], OptimConfig(implementation=implementation), device=cuda)
+            assert str(refused.value) == (
+                f"optim.implementation='{implementation}': torch's fused and foreach updates take DTensors or "
+                "plain tensors in one call, not both, and this run trains both (neuron SDP x FSDP of a ResNet or "
+                "Swin: FSDP's sharded weights beside the replicated biases and norms): use optim.implementation=auto"
+            )

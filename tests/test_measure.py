@@ -44,7 +44,7 @@ def real_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def estimates():
     return {
-        name: [estimate(estimator_config(TINY + masking), world_size=2, rank=r) for r in range(2)]
+        name: [estimate(estimator_config(TINY + masking), world_size=2, rank=r, target="cpu") for r in range(2)]
         for name, masking in VARIANTS.items()
     }
 
@@ -101,6 +101,25 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
     # Same forward, same activation gradients; weight gradients only for held rows/columns.
     assert bwd.flops_per_step < ddp.flops_per_step
     assert bwd.memory["peak_bytes"] < ddp.memory["peak_bytes"]
+
+
+def test_the_estimate_steps_the_optimizer_the_run_builds_on_its_device():
+    """On CUDA a run's AdamW is fused over dense tensors (no temporaries) and torch's foreach over
+    backward masking's column views (a square root of every second moment at once); on the CPU it
+    is torch's per-tensor loop (one tensor's temporaries at a time). The estimate steps that one."""
+    temporaries, optim_bytes = {}, {}
+    for name, masking in (("dense", []), ("views", ["masking=backward", "masking.coverage=0.5"])):
+        cfg = estimator_config(TINY + masking, 2)
+        for target in ("cuda", "cpu"):
+            est = estimate(cfg, world_size=2, rank=0, target=target)
+            temporaries[name, target] = est.peak_segments["optimizer"]["temporaries"]
+            optim_bytes[name] = est.memory["optim_bytes"]
+    largest = 128 * 4096 * 4  # the embedding, fp32: the per-tensor loop makes two of its size (sqrt, then / c)
+    assert temporaries["dense", "cuda"] == 0
+    assert 2 * largest <= temporaries["dense", "cpu"] == temporaries["views", "cpu"] < 2 * largest + 1024
+    # foreach: every second moment's square root alive at once, half of the state but the steps' scalars
+    moments = temporaries["views", "cuda"]
+    assert 0 <= optim_bytes["views"] - 2 * moments < 4 * 64
 
 
 def test_the_estimators_ddp_all_reduces_the_last_micro_batch_in_full_buckets():

@@ -157,7 +157,7 @@ def against_main(argv: list[str]) -> int:
     the run measured; the table printed, and written as JSON to out=."""
     try:
         run_dir, wanted, out = parse_against(argv)
-        cfg, measured = finished_run(run_dir)
+        cfg, measured, device = finished_run(run_dir)
         ranks = measured_ranks(measured, wanted)
         if out:
             check_output_file("out", out)
@@ -167,7 +167,7 @@ def against_main(argv: list[str]) -> int:
     rows = []
     try:
         for rank in ranks:
-            est = estimate(cfg, world_size=len(measured), rank=rank)
+            est = estimate(cfg, world_size=len(measured), rank=rank, target=device)
             m = measured[rank]
             rows.append(compare(rank, est.memory, m["peak_breakdown"], m.get("cuda_max_allocated_bytes")))
             print(format_against(rows[-1:]), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -47,7 +48,10 @@ class OptimConfig:
     # guard's found_inf, see sdp.run.nonfinite); foreach: torch's multi-tensor one. auto: fused on
     # CUDA where every trained tensor is dense, torch's default elsewhere (on CPU its per-tensor
     # loop: the CPU results so far). Backward masking of neurons or channels trains views of a
-    # weight's columns, which CUDA's fused kernels refuse: there auto is torch's default.
+    # weight's columns, which CUDA's fused kernels refuse: there auto is torch's default. Neuron
+    # SDP x FSDP of a ResNet or Swin trains DTensors beside plain tensors, which neither
+    # multi-tensor update takes in one call: there auto is the per-tensor loop, and fused or
+    # foreach is refused.
     implementation: Implementation = Implementation.auto
 
 
@@ -96,14 +100,36 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def mixes_dtensors(tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` hold both DTensors and plain tensors (none is a DTensor unless its module
+    was imported, so this imports nothing)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    kinds = {module is not None and isinstance(t, module.DTensor) for t in tensors}
+    return len(kinds) == 2
+
+
 def _tensors(params) -> list[torch.Tensor]:
     return [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
 
 
-def build_optimizer(params, cfg: OptimConfig, *, device: torch.device | None = None) -> torch.optim.Optimizer:
-    """Build the optimizer over `params` (only the tensors this rank trains) on `device`."""
+def build_optimizer(
+    params, cfg: OptimConfig, *, device: torch.device | None = None, default_foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """Build the optimizer over `params` (only the tensors this rank trains) on `device`.
+    `default_foreach`: what torch's own choice (foreach=None) is to be, where the tensors are
+    not on `device` (the memory estimator's fake CPU tensors stand for CUDA ones, where torch
+    chooses foreach); None: torch chooses by the tensors' device."""
     params = list(params)
-    fused = is_fused(cfg, device)
+    mixed = mixes_dtensors(_tensors(params))
+    if mixed and cfg.implementation != "auto":
+        raise ConfigError(
+            "optim.implementation",
+            str(cfg.implementation),
+            "torch's fused and foreach updates take DTensors or plain tensors in one call, not both, and this run "
+            "trains both (neuron SDP x FSDP of a ResNet or Swin: FSDP's sharded weights beside the replicated "
+            "biases and norms): use optim.implementation=auto",
+        )
+    fused = is_fused(cfg, device) and not mixed
     if fused and device is not None and device.type == "cuda" and not all(map(is_dense, _tensors(params))):
         if cfg.implementation == "fused":
             raise ConfigError(
@@ -113,7 +139,12 @@ def build_optimizer(params, cfg: OptimConfig, *, device: torch.device | None = N
                 "(masking=backward of neurons or channels): use optim.implementation=auto or foreach",
             )
         fused = False  # auto: torch's default, and the NaN/Inf check on the host
-    kind = {"fused": True} if fused else {"foreach": True if cfg.implementation == "foreach" else None}
+    if fused:
+        kind = {"fused": True}
+    elif mixed:  # auto: the per-tensor loop, which takes both (torch's default on CUDA, foreach, does not)
+        kind = {"foreach": False}
+    else:
+        kind = {"foreach": True if cfg.implementation == "foreach" else default_foreach}
     if cfg.name == "adamw":
         return torch.optim.AdamW(
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **kind

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from sdp.errors import ConfigError
 from sdp.metrics.memory import PEAK_KINDS
 from sdp.paths import DamagedFile
@@ -88,8 +90,9 @@ def compare(rank: int, memory: dict, breakdown: dict, allocator_peak: int | None
     return RankAgainst(rank, TRACKER if allocator_peak is None else ALLOCATOR, (*figures, total))
 
 
-def finished_run(run_dir: Path) -> tuple[RunConfig, list[dict]]:
-    """A completed run's config (checked for its world size) and its per-rank memory records;
+def finished_run(run_dir: Path) -> tuple[RunConfig, list[dict], str]:
+    """A completed run's config (checked for its world size), its per-rank memory records and
+    the device type it trained on (its optimizer is that device's: the estimate builds the same);
     one ConfigError naming `--against` for anything else."""
     if not (run_dir / CONFIG).is_file():
         raise ConfigError("--against", str(run_dir), f"has no {CONFIG}: not a run dir")
@@ -110,7 +113,7 @@ def finished_run(run_dir: Path) -> tuple[RunConfig, list[dict]]:
         validate(cfg, world_size=summary.world_size, offline=True, check_data=False)
     except ConfigError as err:
         raise DamagedFile(run_dir / CONFIG, f"holds a config this version refuses ({err})") from None
-    return cfg, ranks
+    return cfg, ranks, torch.device(summary.device).type
 
 
 def measured_ranks(ranks: list[dict], wanted: str) -> list[int]:

@@ -12,8 +12,10 @@ count the same, `sdp.metrics.flops.FlopTally`). It returns the same memory break
 strategy is the run's with `DDPBuckets`, the estimator's model of DDP's gradient buckets, in
 place of DistributedDataParallel, whose reducer cannot run on fake tensors.
 
-Sizes are those of the configured dtypes (fp32 today) and are the same on a
-CUDA device; the CUDA caching allocator adds its block rounding and
+The optimizer is the one the run builds on the device it trains on (`target`, CUDA by
+default: fused AdamW over dense tensors, else torch's foreach there; `_Run`), whose temporaries
+differ from the CPU's per-tensor loop. Sizes are those of the configured dtypes (fp32 today)
+and are the same on a CUDA device; the CUDA caching allocator adds its block rounding and
 fragmentation on top (`max_memory_reserved`), which no trace can know.
 Inputs are dummies of the configured shapes (micro-batch = global batch /
 (K x accumulation steps), sequence length or image size), so no data is read.
@@ -172,13 +174,14 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model
 
 
-def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None) -> Estimate:
+def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = None, target: str = "cuda") -> Estimate:
     """Memory, FLOPs and communication of `rank` in a `world_size`-worker run of `cfg`; the
     peak of each segment of the step in `peak_segments` (sdp.planning.segments), the head's
-    apart when `head` names the module where it begins."""
+    apart when `head` names the module where it begins. `target`: the device type the run
+    trains on, "cuda" or "cpu": its optimizer is the one built there (`_Run`)."""
     start = time.perf_counter()
     with dist.fake_process_group(rank, world_size):
-        run = _Run(cfg, world_size=world_size, rank=rank)
+        run = _Run(cfg, world_size=world_size, rank=rank, target=target)
         est = run.measure(cfg, head=head)
     return dataclasses.replace(est, trace_s=round(time.perf_counter() - start, 2))
 
@@ -221,9 +224,14 @@ class _Run:
     one micro-step does that as well as all of them, at a fraction of the trace). `measure` then
     traces its next step, at any micro-batch: a step after a measured one is the steady state too
     (a run's third step follows its second), so a run measured at several micro-batches builds
-    and warms up once (`SteadyRuns`)."""
+    and warms up once (`SteadyRuns`).
 
-    def __init__(self, cfg: RunConfig, *, world_size: int, rank: int):
+    Its optimizer is the one the run builds on `target` (sdp.optim.build_optimizer): on CUDA
+    fused where every trained tensor is dense, else torch's default there, foreach (whose update
+    makes temporaries the size of the state: a square root of every second moment at once); on
+    the CPU torch's per-tensor loop, one tensor's temporaries at a time."""
+
+    def __init__(self, cfg: RunConfig, *, world_size: int, rank: int, target: str = "cuda"):
         cfg = _traceable(cfg)
         self.world_size, self.rank, self.device = world_size, rank, torch.device("cpu")
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -234,7 +242,10 @@ class _Run:
             self.strategy = self._build(cfg)
             with self.fake:
                 self.outer = _outer_loop(cfg, self.strategy, comm=self.comm, device=self.device)
-                self.optimizer = build_optimizer(self.strategy.trainable(), cfg.optim)
+                on = torch.device(target)
+                self.optimizer = build_optimizer(
+                    self.strategy.trainable(), cfg.optim, device=on, default_foreach=on.type == "cuda"
+                )
                 self.comm.timeline = []
                 self._step(cfg, self._batches(cfg), accum=1)
         self.comm.discard_step()
