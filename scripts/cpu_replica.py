@@ -304,7 +304,7 @@ def runs_left(table: str, row: Row, args: argparse.Namespace, lr0: float) -> int
     for root in (args.out / RUNS, args.runs):  # a run under --runs wins over its record
         by_dir |= {p.run_dir.relative_to(root): p for p in grid_points(root / table / "grid" / row.name, lr0, kind)}
     points = list(by_dir.values())
-    left, best = grid_left(points, args, kind), lrgrid.choose(points, kind)
+    left, best = grid_left(points, args.grid, kind), lrgrid.choose(points, kind)
     if left or best is None:
         return left + seeds
     seeded = set()
@@ -371,11 +371,11 @@ def next_factor(points: list, kind: str, limit: int) -> float | None:
     return None if beyond is None or beyond in factors or len(factors) >= limit else beyond
 
 
-def grid_left(points: list, args: argparse.Namespace, kind: str) -> int:
-    """The runs a row's grid still needs: its factors not yet completed, else one while it would
-    extend past its edge; 0 when it is done."""
-    missing = len(set(args.grid) - {p.factor for p in points if p.status == "completed"})
-    return missing or int(next_factor(points, kind, len(args.grid) + lrgrid.EXTENSIONS) is not None)
+def grid_left(points: list, factors: list[float], kind: str) -> int:
+    """The runs a row's grid of `factors` still needs: those not yet completed, else one while it
+    would extend past its edge; 0 when it is done."""
+    missing = len(set(factors) - {p.factor for p in points if p.status == "completed"})
+    return missing or int(next_factor(points, kind, len(factors) + lrgrid.EXTENSIONS) is not None)
 
 
 def seed_count(row: Row, counts: list[int]) -> int:
@@ -406,11 +406,13 @@ def seeded(table: str, row: Row, base: list[str], chosen, counts: list[int], run
 
 def recorded(table: str, row: Row, args: argparse.Namespace, lr0: float) -> tuple[list, list[Path]] | None:
     """A row this call does not run, when its grid and its seeds at the chosen rate are complete
-    under --runs (run or restored before): its grid's points and the chosen run dirs; else None."""
+    under --runs (run or restored before): its grid's points and the chosen run dirs; else None.
+    Its grid is complete under this call's --grid or the default one: a call that gives one row a
+    factor the others never ran still tabulates them."""
     kind = TABLES[table][3]
     points = grid_points(args.runs / table / "grid" / row.name, lr0, kind)
     best = lrgrid.choose(points, kind)
-    if best is None or grid_left(points, args, kind):
+    if best is None or min(grid_left(points, factors, kind) for factors in (args.grid, list(lrgrid.FACTORS))):
         return None
     n = seed_count(row, args.seed_counts)
     dirs = [best.run_dir, *run_dirs(seed_dir(args.runs, table, row, best.lr))[: n - 1]]

@@ -164,11 +164,15 @@ def test_every_row_runs_its_grid_on_seed_0_and_its_seeds_at_the_best_rate(replic
 
 def test_a_grid_given_fewer_factors_than_it_ran_keeps_its_runs_and_adds_the_new_one(replica, tmp_path):
     """`--grid 0.5 1 2 16` on a row extended to x8: the five points run keep their job dirs, only
-    x16 runs (the factors given first would renumber x4 and x8 and run them again)."""
+    x16 runs (the factors given first would renumber x4 and x8 and run them again). The rows the
+    call does not run, which never ran x16, stay in the table: their grids are complete under the
+    default factors."""
     shutil.copytree(replica[1], tmp_path / "runs")
-    _, _, _, sweeps = _play(tmp_path, "vision", ("n_sdp_forward-c0.25",), ["--grid", "0.5", "1", "2", "16"])
+    _, _, out, sweeps = _play(tmp_path, "vision", ("n_sdp_forward-c0.25",), ["--grid", "0.5", "1", "2", "16"])
     grid = [jobs for d, jobs in sweeps if "/grid/" in d]
     assert [[o for o in job if o.startswith("optim.lr=")] for jobs in grid for job in jobs] == [["optim.lr=0.032"]]
+    csv = (out / "resnet_tiny_fashion_mnist.csv").read_text().splitlines()
+    assert sorted(r.split(",")[0] for r in csv[1:]) == ["DDP", "DDP (inner width 0.5)", "N-SDP forward"]
 
 
 def test_the_tables_hold_the_chosen_runs_only(replica):
