@@ -207,6 +207,7 @@ def test_out_keeps_every_completed_run_and_a_call_with_empty_runs_reruns_none(re
     assert (again / "resnet_tiny_fashion_mnist.md").read_text() == table
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_calls_over_other_rows_build_one_table_and_a_moved_choice_is_seeded_anew(tmp_path, monkeypatch):
     from sdp.analysis import lrgrid
 
@@ -269,6 +270,7 @@ def test_a_probe_that_fails_its_gate_records_how_far_its_metric_moved():
     assert module._unsettled({**gate, "change": None}) == "the probe did not settle"
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_the_language_table_states_its_loss_against_n_gram_models_and_an_unmeasured_budget(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

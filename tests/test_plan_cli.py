@@ -81,6 +81,7 @@ def test_bad_input_is_one_line_before_any_trace(argv, error, capsys, monkeypatch
     assert capsys.readouterr().err.strip() == error
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_nothing_fits_says_the_smallest_peak_and_what_would_fit(capsys):
     argv = [*TINY, GLOO, "devices=2x0.01", "objective=memory", "precision=fp32", "checkpointing=none", "workers=1"]
     assert main([*argv, "granularity=block"]) == 2
@@ -115,6 +116,7 @@ def plan(tmp_path_factory):
     return json.loads((out / "plan.json").read_text())
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_the_plan_ranks_what_fits_by_step_time(plan):
     rows = {r["run"]: r for r in plan["rows"]}
     ranked = [rows[name] for name in plan["ranked"]]
@@ -130,6 +132,7 @@ def _overrides(row: dict) -> list[str]:
     return shlex.split(row["command"])[4:]  # after python -m sdp.train --nproc-per-node=N
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_a_sample_of_peaks_is_sdp_estimates(plan, tmp_path):
     # The top row and the first row of each masking mode, through `python -m sdp.estimate` on
     # the row's own command line: the same peak (docs/plan.md asks for 3%).

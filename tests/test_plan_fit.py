@@ -178,8 +178,11 @@ ACCUM = [
     "overrides",
     [
         [],
-        ["masking=backward", "masking.coverage=0.5"],
-        ["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"],
+        pytest.param(["masking=backward", "masking.coverage=0.5"], marks=pytest.mark.slow),  # make test runs all
+        pytest.param(
+            ["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_probe_of_two_accumulation_steps_gives_the_whole_steps_peak_and_time(overrides):

@@ -15,16 +15,27 @@ TINY = [
     "dataset.seq_len=64",
     "trainer.global_batch_size=16",
 ]
+SLOW = pytest.mark.slow  # make test-fast keeps one case of each family below
 
 
 @pytest.mark.parametrize(
     "overrides,rank",
     [
         ([], 0),
-        (["parallelism=fsdp", "parallelism.mixed_precision=bf16", "parallelism.activation_checkpointing=selective"], 1),
-        (["masking=backward", "masking.coverage=0.5"], 3),
-        (["masking=forward", "masking.capacity=[1,1,0.5,0.5]", "parallelism.activation_checkpointing=full"], 3),
-        (["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"], 2),
+        pytest.param(
+            ["parallelism=fsdp", "parallelism.mixed_precision=bf16", "parallelism.activation_checkpointing=selective"],
+            1,
+            marks=SLOW,
+        ),
+        pytest.param(["masking=backward", "masking.coverage=0.5"], 3, marks=SLOW),
+        pytest.param(
+            ["masking=forward", "masking.capacity=[1,1,0.5,0.5]", "parallelism.activation_checkpointing=full"],
+            3,
+            marks=SLOW,
+        ),
+        pytest.param(
+            ["masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"], 2, marks=SLOW
+        ),
     ],
 )
 def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
@@ -44,8 +55,8 @@ def test_two_short_traces_give_the_whole_traces_figures(overrides, rank):
     "overrides,rank",
     [
         (["parallelism.mixed_precision=bf16"], 0),
-        (["masking=forward", "masking.coverage=0.5", "outer.backup_device=device"], 1),
-        (["masking=backward", "masking.coverage=0.5"], 2),
+        pytest.param(["masking=forward", "masking.coverage=0.5", "outer.backup_device=device"], 1, marks=SLOW),
+        pytest.param(["masking=backward", "masking.coverage=0.5"], 2, marks=SLOW),
     ],
 )
 def test_an_outer_loops_state_and_sync_are_on_the_line_too(overrides, rank):
@@ -61,6 +72,7 @@ def test_an_outer_loops_state_and_sync_are_on_the_line_too(overrides, rank):
     assert sum(sent.values()) == pytest.approx(sum(expected.values()), rel=0.02)
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_each_segment_of_the_step_is_extended_on_its_own():
     # Backward masking under full AC: at 3 and 4 layers the step peaks while clipping (a float64
     # copy of the LM head's gradient), at 12 after the step, where the weight refresh's receive

@@ -16,6 +16,7 @@ from sdp.planning.traces import TraceCache
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=64", "trainer.global_batch_size=16"]
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_a_composed_copy_is_the_config_the_entrypoint_loads():
     # Every structure kind on mixed GPUs (capacities, SDP x FSDP, block and neuron, both modes),
     # as a copy of one composed base per (masking, parallelism), against load_config of its
@@ -46,6 +47,7 @@ def test_a_composed_copy_is_the_config_the_entrypoint_loads():
     assert plain == estimator_config([*TINY, "trainer.max_steps=40", *forward.overrides()], 4)
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_a_family_searched_from_the_least_memory_up_chooses_what_each_structure_alone_would(tmp_path):
     # 4 x 50 MiB, 16 sequences a rank: micro-batches 2 to 8 fit, by structure. A miss of a
     # structure that holds no more (lower coverage, more checkpointing) rules a micro-batch out

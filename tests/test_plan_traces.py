@@ -64,15 +64,26 @@ def test_a_file_that_is_not_the_trace_is_traced_anew(tmp_path):
     assert cache(cfg, world_size=2, rank=0).memory == made.memory and cache.read == 1  # rewritten whole
 
 
+SLOW = pytest.mark.slow  # make test-fast keeps one case of each family below
 STEADY = [
-    (TINY, 2),
-    ([*TINY, "masking=backward", "masking.coverage=0.5", "parallelism.mixed_precision=bf16"], 2),
-    ([*TINY, "masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"], 4),
-    ([*TINY, *OUTER], 2),
+    pytest.param(TINY, 2, id="ddp"),
+    pytest.param(
+        [*TINY, "masking=backward", "masking.coverage=0.5", "parallelism.mixed_precision=bf16"],
+        2,
+        id="backward_bf16",
+        marks=SLOW,
+    ),
+    pytest.param(
+        [*TINY, "masking=forward", "masking.coverage=0.5", "parallelism=fsdp", "parallelism.fsdp_degree=2"],
+        4,
+        id="forward_x_fsdp",
+        marks=SLOW,
+    ),
+    pytest.param([*TINY, *OUTER], 2, id="outer", marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize("overrides,world", STEADY, ids=["ddp", "backward_bf16", "forward_x_fsdp", "outer"])
+@pytest.mark.parametrize("overrides,world", STEADY)
 def test_a_run_measured_again_at_another_batch_is_a_fresh_trace(overrides, world, monkeypatch):
     """SteadyRuns measures a run it holds again at another micro-batch (accumulation 1, then 2):
     every figure, segment and the collectives' timeline equal a fresh trace's (backward masking's
@@ -148,6 +159,7 @@ def test_a_check_is_answered_from_disk_for_the_same_config_world_and_code(tmp_pa
     assert (cache.checked, cache.read) == (5, 2)
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_a_second_plan_with_another_cluster_objective_and_rows_traces_nothing(tmp_path, capsys, monkeypatch):
     argv = [*TINY, "parallelism.comm_group_overhead_mb=0", "devices=2x0.04", "precision=fp32", "workers=1"]
     argv += ["checkpointing=none", "granularity=neuron", "model.num_layers=6", f"cache={tmp_path}"]

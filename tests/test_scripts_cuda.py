@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -27,6 +28,7 @@ def test_the_overhead_part_times_serial_and_overlapped_steps_on_the_cpu():
     assert all(t > 0 for t in times)
 
 
+@pytest.mark.slow  # end to end; make test runs it, make test-fast leaves it (docs/testing.md)
 def test_the_gpu_speed_check_rehearses_on_the_cpu(tmp_path):
     # --smoke: the tiny LLaMA on CPU, DDP eager and compiled (inductor), 2 steps each, as the H200
     # run would measure them (a fake process group, the fused optimizer, the device-side guard).
