@@ -3,6 +3,7 @@
 # make test-fast     - set up, then every module's unit tests (no multi-rank jobs; <= 3 min)
 # make memory-table  - GPU-free per-rank memory estimates of the paper-scale configs
 # make bench         - SDP vs DDP on tiny models (CPU): bytes, comm, step time, serial vs overlapped comm
+# make bench-overhead - kernel launches and host time per phase of a step, every variant (CPU, no GPU needed)
 # make mixed-gpus    - workers of different capacities vs uniform coverage and DDP (CPU): per-rank bytes, quality
 # make plans         - docs/plan.md's three worked examples of sdp.plan for llama_1b (results/plan), and their check
 # make tables        - CPU-scale replicas of the paper's tables and plots: measured step budgets, an lr grid per row, 5 or 3 seeds, claims.md (results/cpu_replica)
@@ -18,7 +19,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench mixed-gpus plans plan-check tables rho soak lowcomm
+.PHONY: setup cxx run test test-fast fuzz lint clean memory-table bench bench-overhead mixed-gpus plans plan-check tables rho soak lowcomm
 
 setup: $(STAMP) $(FMNIST) cxx
 
@@ -71,6 +72,11 @@ memory-table: setup
 # live peak, comm, step time, exposed communication, and the step-time model's check (about 8 min).
 bench: setup
 	$(PY) scripts/bench_sdp.py --out results/bench/sdp_cpu_k4.md
+
+# What a step pays per op: kernel launches (as a GPU would launch them) and host time per phase of one
+# rank of K = 8, llama_134m and resnet18, DDP and every SDP variant, with FSDP and the outer loop (about 8 min).
+bench-overhead: setup
+	$(PY) scripts/bench_overhead.py --out results/bench
 
 # Workers of capacities [1, 1, 0.5, 0.5] against uniform C = 0.75 and DDP, 4 CPU processes on real data:
 # each rank's bytes (checked against its held units), bytes sent and quality (about 15 min).

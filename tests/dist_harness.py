@@ -671,11 +671,12 @@ def loss_checks() -> dict:
 
 
 def trainer_steps(
-    strategy, family: str, *, steps: int, accum: int = 1, trace: list | None = None
+    strategy, family: str, *, steps: int, accum: int = 1, trace: list | None = None, losses: list | None = None
 ) -> torch.optim.Optimizer:
     """`steps` steps of the trainer's own train_step (clipping at 1.0, the NaN/Inf guard, `accum`
     micro-batches of 2 samples), then a resample where the mask asks for one, as the loop does.
-    With `trace`, the collectives of the first two steps are recorded into it."""
+    With `trace`, the collectives of the first two steps are recorded into it; with `losses`, each
+    step's loss is appended to it."""
     rank = dist.get_rank()
     optimizer = build_optimizer(strategy.trainable(), OptimConfig(lr=1e-3, weight_decay=0.1))
     cfg = TrainerConfig(grad_accum_steps=accum, grad_clip=1.0, on_nonfinite="stop")
@@ -685,11 +686,22 @@ def trainer_steps(
         strategy.trace_collectives(trace if step <= 2 else None)
         whole = batch(family, rank, step)
         parts = iter([{k: v[i * micro : (i + 1) * micro] for k, v in whole.items()} for i in range(accum)])
-        train_step(strategy, optimizer, parts, cfg=cfg, micro=micro, device=CPU, timer=PhaseTimer(CPU))
+        loss = train_step(strategy, optimizer, parts, cfg=cfg, micro=micro, device=CPU, timer=PhaseTimer(CPU))
+        if losses is not None:
+            losses.append(loss.item())
         if step < steps and strategy.resample(step, optimizer):
             strategy.model.train()
     strategy.trace_collectives(None)
     return optimizer
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each tensor's values as the first 16 hex digits of a SHA-256 of its bytes, by name (in the
+    logical order of its elements, whatever its layout)."""
+    return {
+        k: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+        for k, t in sorted(tensors.items())
+    }
 
 
 # Overlapped against serial averaging: (family, mode, granularity, extra settings) of each check.
@@ -713,14 +725,18 @@ def _case_name(family: str, mode: str, gran: str, extra: dict) -> str:
 def overlap_check(family: str, mode: str, gran: str, extra: dict) -> dict:
     """K = 4, C = 0.5: three steps overlapped and three serial from the same start; the
     parameters and every unit's optimizer state afterwards, and the overlapped run's order
-    of collectives over its first two steps."""
+    of collectives over its first two steps. `bits`: the overlapped run's losses (each rank's,
+    as float.hex) and digests of its parameters and state, for comparison with an earlier
+    version of the code (tests/data/bits_k4.json)."""
     extra = dict(extra)
     accum, every = extra.pop("accum", 1), extra.pop("resample_every", 0)
     masking = MaskingConfig(name=mode, granularity=gran, coverage=0.5, resample_every=every)
-    runs, trace = {}, []
+    runs, trace, losses = {}, [], []
     for overlap in (True, False):
         sdp = make(family, masking, CommCounter(), overlap=overlap, **extra)
-        optimizer = trainer_steps(sdp, family, steps=3, accum=accum, trace=trace if overlap else None)
+        optimizer = trainer_steps(
+            sdp, family, steps=3, accum=accum, trace=trace if overlap else None, losses=losses if overlap else None
+        )
         state, _ = _state(sdp, optimizer)
         runs[overlap] = ({k: v.detach().clone() for k, v in sdp.full_parameters().items()}, state)
     (p_on, s_on), (p_off, s_off) = runs[True], runs[False]
@@ -729,6 +745,11 @@ def overlap_check(family: str, mode: str, gran: str, extra: dict) -> dict:
         "state_diff": max(gathered(max_diff(s_on, s_off))),
         "state_nonzero": min(gathered(min(t.abs().sum().item() for t in s_off.values()))),
         "trace": gathered([[list(g) if isinstance(g, tuple) else g, k, i] for g, k, i in trace]),
+        "bits": {
+            "losses": gathered([x.hex() for x in losses]),
+            "params": digest(p_on),
+            "state": hashlib.sha256(json.dumps(digest(s_on)).encode()).hexdigest()[:16],
+        },
     }
 
 
@@ -828,7 +849,7 @@ def main(argv: list[str]) -> int:
     OUT = path
     scenarios = {"equivalence": equivalence, "holders": holders, "stacking": stacking, "sharded": sharded}
     scenarios["capacity"] = capacity
-    result = {**scenarios, "compile": compile_checks}[scenario]()
+    result = {**scenarios, "compile": compile_checks, "overlap": overlap_checks}[scenario]()
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,6 +1,8 @@
 """SDP across processes (gloo, CPU): two torchrun launches run every check in tests/dist_harness.py."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from conftest import BF16_GRAD_REL, BF16_LOSS_REL, run_harness
@@ -118,6 +120,22 @@ def test_overlapped_averaging_equals_serial_bit_for_bit(holders, case):
     assert res["state_nonzero"] > 0
     assert res["params_diff"] == 0.0
     assert res["state_diff"] == 0.0
+
+
+# What the code before issue 59's held layout and per-bucket sync trained, bit for bit (how it
+# was made: the file's `made_by`).
+BEFORE = json.loads((Path(__file__).parent / "data" / "bits_k4.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_every_variant_trains_as_the_code_before_the_held_layout_bit_for_bit(holders, case):
+    # K = 4, C = 0.5, 3 steps with clipping (the overlapped runs above): every rank's losses,
+    # every plain parameter and every unit's optimizer state, against the code before.
+    got, want = holders["overlap"][case]["bits"], BEFORE[case]
+    assert got["losses"] == want["losses"]
+    assert sorted(got["params"]) == sorted(want["params"])
+    assert [n for n, d in got["params"].items() if d != want["params"][n]] == []
+    assert got["state"] == want["state"]
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES)

@@ -11,6 +11,7 @@ from enum import StrEnum
 import torch
 
 from sdp.errors import ConfigError
+from sdp.metrics.launches import is_dense
 
 
 class Optimizer(StrEnum):
@@ -87,17 +88,6 @@ def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:
     return cfg.implementation == "fused" or (
         cfg.implementation == "auto" and device is not None and device.type == "cuda"
     )
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements fill one block of memory without overlap, in any order of its
-    dimensions (what CUDA's fused optimizer kernels take); a view of some columns of a matrix is not."""
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def mixes_dtensors(tensors: list[torch.Tensor]) -> bool:
