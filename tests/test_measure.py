@@ -104,22 +104,28 @@ def test_backward_masking_computes_fewer_weight_gradient_flops():
 
 
 def test_the_estimate_steps_the_optimizer_the_run_builds_on_its_device():
-    """On CUDA a run's AdamW is fused over dense tensors (no temporaries) and torch's foreach over
-    backward masking's column views (a square root of every second moment at once); on the CPU it
-    is torch's per-tensor loop (one tensor's temporaries at a time). The estimate steps that one."""
+    """On CUDA a run's AdamW is fused over dense tensors (no temporaries: every variant's, backward
+    masking's held ranges too) and torch's foreach where asked for (a square root of every second
+    moment at once); on the CPU it is torch's per-tensor loop (one tensor's temporaries at a
+    time). The estimate steps that one."""
     temporaries, optim_bytes = {}, {}
-    for name, masking in (("dense", []), ("views", ["masking=backward", "masking.coverage=0.5"])):
+    cases = {
+        "dense": [],
+        "held": ["masking=backward", "masking.coverage=0.5"],
+        "foreach": ["masking=backward", "masking.coverage=0.5", "optim.implementation=foreach"],
+    }
+    for name, masking in cases.items():
         cfg = estimator_config(TINY + masking, 2)
         for target in ("cuda", "cpu"):
             est = estimate(cfg, world_size=2, rank=0, target=target)
             temporaries[name, target] = est.peak_segments["optimizer"]["temporaries"]
             optim_bytes[name] = est.memory["optim_bytes"]
     largest = 128 * 4096 * 4  # the embedding, fp32: the per-tensor loop makes two of its size (sqrt, then / c)
-    assert temporaries["dense", "cuda"] == 0
-    assert 2 * largest <= temporaries["dense", "cpu"] == temporaries["views", "cpu"] < 2 * largest + 1024
+    assert temporaries["dense", "cuda"] == temporaries["held", "cuda"] == 0
+    assert 2 * largest <= temporaries["dense", "cpu"] == temporaries["held", "cpu"] < 2 * largest + 1024
     # foreach: every second moment's square root alive at once, half of the state but the steps' scalars
-    moments = temporaries["views", "cuda"]
-    assert 0 <= optim_bytes["views"] - 2 * moments < 4 * 64
+    moments = temporaries["foreach", "cuda"]
+    assert 0 <= optim_bytes["foreach"] - 2 * moments < 4 * 64
 
 
 def test_the_estimators_ddp_all_reduces_the_last_micro_batch_in_full_buckets():

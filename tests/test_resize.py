@@ -90,6 +90,20 @@ def test_a_run_resumes_on_half_then_twice_the_workers(tmp_path, mode):
         assert max(abs(a - b) for a, b in zip(losses[3:], ref[3:], strict=True)) <= noise
 
 
+@pytest.mark.dist
+def test_neuron_backward_masking_recuts_its_held_runs_exactly_on_another_world_size(tmp_path):
+    # Backward masking trains one Parameter per contiguous run of held units, its columns kept
+    # outermost (o_proj, down_proj): K = 4 to step 3, K = 2 to step 5, K = 4 to the end. What each
+    # resume's ranks hold, gathered back, is the checkpoint bit for bit.
+    base, run_dir = [*RUN, "masking=backward", "masking.coverage=0.5", f"run_dir={tmp_path / 'run'}"], tmp_path / "run"
+    proc = launch([*base, "trainer.stop_at_step=3"], nproc=4, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_bitwise(resume_probed([*base, "trainer.stop_at_step=5"], nproc=2, cwd=tmp_path), run_dir, 3)
+    assert_bitwise(resume_probed(base, nproc=4, cwd=tmp_path), run_dir, 5)
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "completed" and [r["world_size"] for r in summary["resumes"]] == [2, 4]
+
+
 def test_an_impossible_world_size_is_refused_with_the_ones_that_resume(tmp_path):
     # Checkpointed at K = 4 with C = 0.5: K = 3 would give 1.5 holders per unit.
     run_dir = tmp_path / "run"

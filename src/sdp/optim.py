@@ -47,12 +47,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
     # fused: one kernel for the whole update, which can also skip it on the device (the NaN/Inf
     # guard's found_inf, see sdp.run.nonfinite); foreach: torch's multi-tensor one. auto: fused on
-    # CUDA where every trained tensor is dense, torch's default elsewhere (on CPU its per-tensor
-    # loop: the CPU results so far). Backward masking of neurons or channels trains views of a
-    # weight's columns, which CUDA's fused kernels refuse: there auto is torch's default. Neuron
-    # SDP x FSDP of a ResNet or Swin trains DTensors beside plain tensors, which neither
-    # multi-tensor update takes in one call: there auto is the per-tensor loop, and fused or
-    # foreach is refused.
+    # CUDA where every trained tensor is dense (every variant's are: sdp.subnet.layout), torch's
+    # default elsewhere (on CPU its per-tensor loop: the CPU results so far). Neuron SDP x FSDP of a
+    # ResNet or Swin trains DTensors beside plain tensors, which neither multi-tensor update takes
+    # in one call: there auto is the per-tensor loop, and fused or foreach is refused.
     implementation: Implementation = Implementation.auto
 
 
@@ -125,8 +123,8 @@ def build_optimizer(
             raise ConfigError(
                 "optim.implementation",
                 "fused",
-                "CUDA's fused kernels take dense tensors only, and this run trains views of a weight's columns "
-                "(masking=backward of neurons or channels): use optim.implementation=auto or foreach",
+                "CUDA's fused kernels take dense tensors only, and this run trains a strided view (some columns "
+                "of a matrix): use optim.implementation=auto or foreach",
             )
         fused = False  # auto: torch's default, and the NaN/Inf check on the host
     if fused:

@@ -115,16 +115,16 @@ class NonFiniteGuard:
     def check(self, strategy, optimizer, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
         """Collective: decide on the device whether this step's update is applied, and hand
         the verdict to the fused optimizer as its `found_inf`; no host read."""
-        named = _named_grads(strategy)
+        named, clipped = _named_grads(strategy), norm
         # One norm per gradient tensor (a foreach reduction, no host sync): the diagnostic's
-        # flags, and without clipping's global norm the check itself (their norm is the one
-        # get_total_norm takes: the gradients are read once).
+        # flags, read only for a bad step, and without clipping's global norm the check itself
+        # (their norm is the one get_total_norm takes: the gradients are read once).
         norms = torch.stack(torch._foreach_norm([g for _, g in named])) if named else None
-        if norm is not None or norms is None:
-            grads_ok = _grads_finite(strategy, norm, loss.device)
-        else:
-            grads_ok = torch.linalg.vector_norm(norms).isfinite()
-        flags = torch.stack([~torch.isfinite(loss), ~grads_ok.to(loss.device)]).float()
+        if norm is None:
+            norm = torch.zeros((), device=loss.device) if norms is None else torch.linalg.vector_norm(norms)
+        # x * 0 is NaN exactly where x is not finite: both flags in three kernels.
+        values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
+        flags = torch.isnan(values * 0).float()
         verdict = dist.all_reduce_(flags.clone(), op="max").amax()
         self.skipped += verdict
         skip = torch.maximum(verdict, self.latched)
@@ -134,7 +134,6 @@ class NonFiniteGuard:
             self.latched = torch.maximum(self.latched, (self.skipped > self.max_skips).float())
         optimizer.found_inf = skip  # 0-d, like the step counts the fused kernel corrects with it
         self.last_skip = skip
-        per_tensor = None if norms is None else ~torch.isfinite(norms)
         self._steps.append(
             {
                 "step": self.step,
@@ -142,8 +141,8 @@ class NonFiniteGuard:
                 "loss": loss.detach(),
                 "nonfinite_loss": flags[0],
                 "names": [name for name, _ in named],
-                "per_tensor": per_tensor,
-                "norm": None if norm is None else norm.detach(),
+                "norms": norms,
+                "norm": None if clipped is None else clipped.detach(),
             }
         )
         self.step += 1
@@ -157,7 +156,7 @@ class NonFiniteGuard:
         for record, verdict in zip(steps, verdicts, strict=True):
             if not verdict:
                 continue
-            flags = [] if record["per_tensor"] is None else record["per_tensor"].tolist()
+            flags = [] if record["norms"] is None else (~torch.isfinite(record["norms"])).tolist()
             bad = [name for name, flag in zip(record["names"], flags, strict=True) if flag]
             mine = _rank_record(record["loss"], bool(record["nonfinite_loss"]), bad)
             norm = None if record["norm"] is None else json_float(record["norm"])

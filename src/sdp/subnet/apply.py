@@ -27,7 +27,14 @@ from torch import nn
 
 from sdp.errors import ConfigError
 from sdp.subnet.held import install_held
-from sdp.subnet.layout import Chunk, LocalTensor, build_chunks, local_tensors
+from sdp.subnet.layout import (
+    Chunk,
+    LocalTensor,
+    build_chunks,
+    local_tensors,
+    outer_dims,
+    outer_layout,
+)
 from sdp.subnet.mask import Mask
 from sdp.subnet.sync import GradEntry, Piece, Transfer
 from sdp.subnet.units import UnitSpec
@@ -47,6 +54,15 @@ class Subnet:
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return model.get_submodule(path) if path else model, attr
+
+
+def _relayout(model: nn.Module, name: str, dim: int) -> nn.Parameter:
+    """Replace parameter `name` by its values kept with `dim` outermost (`outer_layout`)."""
+    owner, attr = _owner(model, name)
+    old = getattr(owner, attr)
+    new = nn.Parameter(outer_layout(old.detach(), dim), requires_grad=old.requires_grad)
+    setattr(owner, attr, new)
+    return new
 
 
 def _shared_entries(model: nn.Module, spec: UnitSpec, world_size: int) -> list[GradEntry]:
@@ -101,9 +117,11 @@ def add_scale_hook(module: nn.Module, factor: float) -> None:
 
 
 def apply_forward_masking(
-    model: nn.Module, spec: UnitSpec, mask: Mask, *, rank: int, scale: str
+    model: nn.Module, spec: UnitSpec, mask: Mask, *, rank: int, scale: str, outer: bool = True
 ) -> tuple[Subnet, list[Chunk]]:
-    """Turn `model` (a full plain model) into this rank's physical submodel, in place."""
+    """Turn `model` (a full plain model) into this rank's physical submodel, in place. With
+    `outer`, a tensor cut along a dimension d > 0 keeps d outermost (`outer_dims`), so its held
+    pieces are dense; SDP x FSDP does not (FSDP takes contiguous parameters, and shards them)."""
     shapes = {n: t.shape for n, t in _named_tensors(model)}
     chunks = build_chunks(spec, mask)
     locals_ = local_tensors(chunks, rank=rank, shapes=shapes)
@@ -135,6 +153,8 @@ def apply_forward_masking(
     for lt in locals_.values():
         if lt.dim is not None and not lt.whole:
             _slice_tensor(model, lt)
+    for name, dim in outer_dims(chunks).items() if outer else ():
+        _relayout(model, name, dim)
 
     entries = _shared_entries(model, spec, mask.num_workers)
     tensors = dict(_named_tensors(model))
@@ -228,16 +248,19 @@ def _under_block(name: str, spec: UnitSpec) -> bool:
 
 
 def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank: int) -> tuple[Subnet, list[Chunk]]:
-    """Keep the full model for the forward; make only this rank's unit ranges trainable."""
+    """Keep the full model for the forward; make only this rank's unit ranges trainable: views of
+    the full weight (dense: a weight cut along a dimension d > 0 keeps d outermost on every rank,
+    `outer_dims`)."""
     shapes = {n: t.shape for n, t in _named_tensors(model)}
     chunks = build_chunks(spec, mask)
+    outer = outer_dims(chunks)
     params = dict(model.named_parameters())
     entries = _shared_entries(model, spec, mask.num_workers)
     weight_tensors, full_of = [], {}
     for lt in local_tensors(chunks, rank=rank, shapes=shapes).values():
         if lt.name not in params:
             continue  # buffers are not trained
-        p = params[lt.name]
+        p = _relayout(model, lt.name, outer[lt.name]) if lt.name in outer else params[lt.name]
         full_of[lt.name] = p
         if not lt.chunks:
             p.requires_grad_(False)  # needed for the forward, refreshed from holders
@@ -253,8 +276,8 @@ def apply_backward_masking(model: nn.Module, spec: UnitSpec, mask: Mask, *, rank
             (ch.holders, s, n) for ch, placement in zip(lt.chunks, lt.placements, strict=True) for s, _, n in placement
         ]
         pieces = install_held(owner, attr, full, lt.dim, [(s, n) for _, s, n in held])
-        for piece, (holders, start, _) in zip(pieces, held, strict=True):
-            entries.append(GradEntry(holders, "grad_sync", Piece(piece, None), lt.name, lt.dim, start))
+        for piece, (holders, start, n) in zip(pieces, held, strict=True):  # its cut dimension first on the wire
+            entries.append(GradEntry(holders, "grad_sync", Piece(piece, lt.dim, 0, n), lt.name, lt.dim, start))
     refresh = []
     for ch in chunks:
         if ch.is_buffer:

@@ -45,6 +45,8 @@ class Installed:
 class Installer:
     """Makes full plain models this rank's subnetworks, and owns the holder sets' process groups."""
 
+    outer = True  # columns cut among holder sets kept outermost (sdp.subnet.layout.outer_dims)
+
     def __init__(
         self,
         plan: SubnetPlan,
@@ -65,7 +67,8 @@ class Installer:
         if cfg.name == "forward":
             # Slice where the full model is, then move only the submodel: when it is on the
             # host, the device never holds the full model.
-            subnet, chunks = apply_forward_masking(model, spec, mask, rank=self.worker, scale=resolved_scale(cfg))
+            scale = resolved_scale(cfg)
+            subnet, chunks = apply_forward_masking(model, spec, mask, rank=self.worker, scale=scale, outer=self.outer)
             move_to(subnet.model, self.device)
         else:
             # Pieces view the full weights: they must be made where the weights live.

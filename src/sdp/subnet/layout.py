@@ -36,6 +36,32 @@ class Chunk:
         return shape.numel() // shape[self.dim] * sum(n for _, n in self.ranges)
 
 
+def outer_dims(chunks: list[Chunk]) -> dict[str, int]:
+    """The trained tensors cut along a dimension d > 0 among more than one holder set, with d:
+    those that `outer_layout` keeps (the same on every rank: it depends on the mask alone).
+
+    Their held pieces are columns (o_proj's and down_proj's heads and neurons, conv2's input
+    channels, Swin's proj, fc2 and relative-position table): in a row-major tensor each is a
+    strided view, which CUDA's fused optimizer refuses and whose gradient packs, averages and
+    refreshes element by element. With d outermost each is one dense block. A tensor that one
+    holder set holds whole keeps its layout (C = 1 is DDP bit for bit)."""
+    sets: dict[str, set[tuple[int, ...]]] = {}
+    dims: dict[str, int] = {}
+    for ch in chunks:
+        if not ch.is_buffer and ch.dim is not None and ch.dim > 0:
+            sets.setdefault(ch.tensor, set()).add(ch.holders)
+            dims[ch.tensor] = ch.dim
+    return {name: dims[name] for name, holder_sets in sets.items() if len(holder_sets) > 1}
+
+
+def outer_layout(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t`'s values in a new tensor of the same shape with dimension `dim` outermost in memory (a
+    Linear weight's columns: its transpose, stored contiguous): any range along `dim` is one
+    dense block. Torch's kernels take it as they take a transposed view (a matrix product reads
+    it in place; autograd gives its gradient the same layout)."""
+    return t.movedim(dim, 0).contiguous().movedim(0, dim)
+
+
 def to_ranges(positions: torch.Tensor) -> tuple[Range, ...]:
     """Sorted positions as maximal contiguous (start, length) runs."""
     pos = sorted(positions.tolist())

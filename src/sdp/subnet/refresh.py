@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.metrics.comm import CommCounter
-from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, broadcast_from_holders, packed, split_by_size
+from sdp.subnet.sync import FIRST_BUCKET_BYTES, Transfer, broadcast_from_holders, packed, split_by_size, unpacked
 
 
 @dataclass(frozen=True)
@@ -172,12 +172,7 @@ class WeightRefresh:
         """Wait for bucket i and write its values where this rank keeps them."""
         self._works[i].wait()
         self.comm.need(self._events[i])
-        flat, offset = self._flats[i], 0
-        for t in self.buckets[i].transfers:
-            if t.dst is not None:
-                view = t.dst.view()
-                view.copy_(flat[offset : offset + t.numel].view_as(view))
-            offset += t.numel
+        unpacked(self._flats[i], self.buckets[i].transfers)
         self._flats[i], self._works[i] = None, None
         self._open -= 1
 

@@ -73,7 +73,10 @@ def scale_shards(trainable: list[nn.Parameter], max_norm: float, norm: torch.Ten
 
 class ShardedInstaller(Installer):
     """The installer of a worker of F ranks: the holder sets' groups per shard index, and FSDP2
-    over every new subnetwork (one unit per block, then the root)."""
+    over every new subnetwork (one unit per block, then the root). FSDP takes contiguous
+    parameters only and shards them by rows: cut columns keep the plain layout."""
+
+    outer = False
 
     def __init__(self, plan, *, rank: int, device: torch.device, prepare, mesh, parallel, comm):
         super().__init__(plan, rank=rank, device=device, prepare=prepare)

@@ -35,9 +35,47 @@ class Piece:
         t = self.tensor if t is None else t
         return t if self.dim is None else t.narrow(self.dim, self.start, self.length)
 
+    def wire(self, t: torch.Tensor | None = None) -> torch.Tensor:
+        """The piece (of `t`) in the order its values travel: its sliced dimension first, then
+        the others (row-major for a whole piece). Every rank sends and receives a piece in this
+        order, whatever the layout it keeps the tensor in; the view is contiguous where the
+        tensor keeps that dimension outermost (`sdp.subnet.layout.outer_layout`), so packing it
+        costs nothing more than its share of one copy."""
+        v = self.view(t)
+        return v if self.dim in (None, 0) else v.movedim(self.dim, 0)
+
     @property
     def numel(self) -> int:
         return self.tensor.numel() if self.dim is None else self.view().numel()
+
+
+def gather_flat(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The values of `views` one after another in a new flat buffer: one copy kernel (a view
+    that is not contiguous is copied on its own first)."""
+    return torch.cat([v.reshape(-1) for v in views])
+
+
+def scatter_flat(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive runs of `flat` into `views` (the inverse of `gather_flat`)."""
+    srcs, offset = [], 0
+    for v in views:
+        srcs.append(flat.narrow(0, offset, v.numel()))
+        offset += v.numel()
+    copy_pairs(views, srcs)
+
+
+def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """`dst.copy_(src)` for each pair (`src` flat, `dst` any view of as many elements): one
+    multi-tensor copy over the contiguous destinations, one copy each for the others."""
+    fast_d, fast_s = [], []
+    for d, src in zip(dsts, srcs, strict=True):
+        if d.is_contiguous():
+            fast_d.append(d.view(-1))
+            fast_s.append(src)
+        else:
+            d.copy_(src.view(d.shape))
+    if fast_d:
+        torch._foreach_copy_(fast_d, fast_s)
 
 
 @dataclass(frozen=True)
@@ -70,6 +108,11 @@ def split_by_size(items: list, *, numel: Callable, cap_elems: int):
 # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so the first
 # all-reduce starts early in the backward.
 FIRST_BUCKET_BYTES = 2**20
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The identity of the storage `t` (its local part) views, for real, meta and fake tensors."""
+    return local(t).untyped_storage()._cdata
 
 
 def _local_numel(piece: Piece) -> int:
@@ -200,17 +243,25 @@ class GradSync:
         self._reset()
 
     def _movable_tensors(self) -> set[int]:
-        """Tensors (by id) whose whole gradient is in buckets: plain tensors, covered by synced pieces."""
+        """Tensors (by id) whose whole gradient is in buckets: plain tensors, covered by synced
+        pieces, whose storage's other tensors are too. (Backward masking's held ranges of one
+        weight share its storage, and one product makes the gradients of a run of them:
+        `sdp.subnet.held`. That gradient is freed when every range drops its part, so either all
+        drop theirs or none does.)"""
         covered: dict[int, int] = {}
         for b in self.buckets:
             for e in b.entries:
                 covered[id(e.piece.tensor)] = covered.get(id(e.piece.tensor), 0) + _local_numel(e.piece)
         unsynced = {id(e.piece.tensor) for e in self.entries if self.groups.get(e.holders) is None}
-        return {
+        whole = {
             t
             for t, n in covered.items()
             if t not in unsynced and not isinstance(self._tensors[t], DTensor) and n == self._tensors[t].numel()
         }
+        by_storage: dict[int, list[int]] = {}
+        for t, tensor in self._tensors.items():
+            by_storage.setdefault(_storage(tensor), []).append(t)
+        return {t for t in whole if all(u in whole for u in by_storage[_storage(self._tensors[t])])}
 
     def _reset(self) -> None:
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -242,31 +293,36 @@ class GradSync:
             self._launch(self._next)
 
     def _pack(self, i: int) -> None:
-        """Copy bucket i's pieces into its flat buffer; a moved tensor whose pieces are all
-        packed drops its `.grad`. A tensor no gradient reached contributes zeros, as under DDP.
-        A bucket of one whole tensor (a large one, a block's, a shared one) is its gradient
-        itself: averaged in place, with no copy that would double it in the backward."""
+        """Gather bucket i's pieces into its flat buffer (one copy: `gather_flat`); a moved tensor
+        whose pieces are all packed drops its `.grad`. A tensor no gradient reached contributes
+        zeros, as under DDP. A bucket of one whole tensor (a large one, a block's, a shared one)
+        whose order on the wire is its memory order is its gradient itself: averaged in place,
+        with no copy that would double it in the backward."""
         b = self.buckets[i]
         whole = b.entries[0].piece.tensor
         if len(b.entries) == 1 and whole.grad is not None and b.numel == local(whole).numel():
             grad = local(whole.grad)
-            if grad.is_contiguous():
-                self._flats[i], self._aliased[i] = grad.view(-1), True
+            wire = b.entries[0].piece.wire(grad)
+            # Not a part of a larger gradient that the other parts free (a run of held ranges).
+            alone = id(whole) not in self._movable or grad.untyped_storage().nbytes() == grad.nbytes
+            if wire.is_contiguous() and alone:
+                self._flats[i], self._aliased[i] = wire.view(-1), True
                 self._unpacked[id(whole)] -= 1
                 return
-        like = local(whole)
-        flat = torch.empty(b.numel, dtype=like.dtype, device=like.device)
-        for e, offset in zip(b.entries, b.offsets, strict=True):
-            p, dst = e.piece.tensor, flat.narrow(0, offset, _local_numel(e.piece))
+        views = []
+        for e in b.entries:
+            p = e.piece.tensor
             if p.grad is None:
-                dst.zero_()
+                like = local(p)
+                views.append(torch.zeros(_local_numel(e.piece), dtype=like.dtype, device=like.device))
             else:
-                src = e.piece.view(local(p.grad))
-                dst.view(src.shape).copy_(src)
+                views.append(e.piece.wire(local(p.grad)))
+        self._flats[i] = gather_flat(views)
+        for e in b.entries:
+            p = e.piece.tensor
             self._unpacked[id(p)] -= 1
             if self._unpacked[id(p)] == 0 and id(p) in self._movable and id(p) in self._hooked:
                 p.grad = None  # its values are in the buckets; written back once averaged
-        self._flats[i] = flat
 
     def _launch(self, i: int) -> None:
         b, flat = self.buckets[i], self._flats[i]
@@ -278,7 +334,8 @@ class GradSync:
         self._next = i + 1
 
     def _write_back(self, i: int) -> None:
-        """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`."""
+        """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`
+        (one multi-tensor copy: `scatter_flat`)."""
         b, flat = self.buckets[i], self._flats[i]
         self._works[i].wait()
         self.comm.need(self._events[i])
@@ -287,12 +344,11 @@ class GradSync:
             self._flats[i] = None
             return
         with allocating("grads"):
-            for e, offset in zip(b.entries, b.offsets, strict=True):
+            for e in b.entries:
                 p = e.piece.tensor
                 if p.grad is None:  # moved into the buckets
                     p.grad = torch.empty_like(p)
-                view = e.piece.view(local(p.grad))
-                view.copy_(flat.narrow(0, offset, view.numel()).view(view.shape))
+            scatter_flat(flat, [e.piece.wire(local(e.piece.tensor.grad)) for e in b.entries])
         self._flats[i] = None
 
     def __call__(self) -> None:
@@ -312,12 +368,15 @@ class GradSync:
         self._reset()
 
     def global_norm(self, *, rank: int) -> torch.Tensor:
-        """L2 norm of the whole model's averaged gradient: each piece counted once (by its first holder)."""
+        """L2 norm of the whole model's averaged gradient: each piece counted once (by its first
+        holder), in float64; one multi-tensor norm over this rank's pieces, then one all-reduce."""
         device = local(self.entries[0].piece.tensor).device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for e in self.entries:
-            if e.holders[0] == rank:
-                total += e.piece.view(local(e.piece.tensor.grad)).double().pow(2).sum()
+        owned = [e.piece.wire(local(e.piece.tensor.grad)).reshape(-1) for e in self.entries if e.holders[0] == rank]
+        if owned:
+            norms = torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float64))
+            total = norms.dot(norms)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=device)
         dist.all_reduce(total)
         return total.sqrt()
 
@@ -337,14 +396,23 @@ class Transfer:
 
 
 def packed(transfers: Sequence[Transfer], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The sender's values of `transfers`, in order, in one new flat buffer: each piece copied
-    into its place, so nothing but the buffer is allocated (a piece's view is strided)."""
-    flat, offset = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device), 0
+    """The sender's values of `transfers`, in order (each piece's wire order), in one new flat
+    buffer of `dtype` on `device`."""
+    if not transfers:
+        return torch.empty(0, dtype=dtype, device=device)
+    return gather_flat([t.src.wire() for t in transfers]).to(device=device, dtype=dtype)
+
+
+def unpacked(flat: torch.Tensor, transfers: Sequence[Transfer]) -> None:
+    """Write `flat` (the values of `transfers`, in order) where this rank keeps them: every
+    transfer with a destination, in one multi-tensor copy (`copy_pairs`)."""
+    dsts, srcs, offset = [], [], 0
     for t in transfers:
-        view = t.src.view()
-        flat.narrow(0, offset, t.numel).view(view.shape).copy_(view)
+        if t.dst is not None:
+            dsts.append(t.dst.wire())
+            srcs.append(flat.narrow(0, offset, t.numel))
         offset += t.numel
-    return flat
+    copy_pairs(dsts, srcs)
 
 
 def broadcast_from_holders(
@@ -374,9 +442,4 @@ def broadcast_from_holders(
             if comm is not None:
                 world = tuple(range(dist.get_world_size()))
                 comm.need(comm.event("broadcast", kind, flat.numel() * flat.element_size(), world))
-            offset = 0
-            for t in bucket:
-                if t.dst is not None:
-                    view = t.dst.view()
-                    view.copy_(flat[offset : offset + t.numel].view_as(view))
-                offset += t.numel
+            unpacked(flat, bucket)
