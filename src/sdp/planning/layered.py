@@ -206,8 +206,8 @@ def block_line(cfg: RunConfig, *, world_size: int, rank: int) -> tuple[tuple[Run
     """Two shallower LLaMAs where `rank` holds l < h blocks, at least SHORT[0] (fewer: the step
     peaks elsewhere, as in a shallow model), and every rank holds one: (the two configs, how many
     times h - l the blocks `rank` holds in `cfg` are past l); None when there are none. The rank
-    is the same in all three: which pieces it is the first holder of (clipping's float64 copy
-    of the LM head's gradient) does not change with depth."""
+    is the same in all three: which pieces it is the first holder of (those whose squares
+    clipping's norm sums) does not change with depth."""
     full = held_blocks(cfg, world_size=world_size)
     found: dict[int, RunConfig] = {}  # blocks `rank` holds -> the shallowest model where it does
     for layers in range(1, cfg.model.num_layers if full else 0):

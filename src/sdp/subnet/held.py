@@ -37,7 +37,8 @@ class _HeldView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        parts = [grad.narrow(ctx.dim, s, n) for s, n, _ in ctx.runs]  # each in its pieces' layout
+        parts = [grad.narrow(ctx.dim, s, n) for s, n, _ in ctx.runs]
+        # Each in its pieces' layout, and its own (a view would keep the full gradient alive).
         parts = [outer_layout(g, ctx.dim) if ctx.outer else g.clone() for g in parts]
         return (None, None, None, *_split(parts, ctx.runs, ctx.dim))
 
