@@ -70,6 +70,13 @@ def _variants() -> dict[str, list[str]]:
     for gran, mode, c in itertools.product(("neuron", "block"), ("backward", "forward"), (0.5, 0.25)):
         name = f"{'N' if gran == 'neuron' else 'B'}-SDP {mode} C={c:g}"
         out[name] = [f"masking={mode}", f"masking.granularity={gran}", f"masking.coverage={c}"]
+    # r random holders a chunk: more holder sets (forward masking refuses it on llama_134m: a
+    # worker would hold none of a layer's 12 heads)
+    out["N-SDP backward C=0.5 random"] = [
+        *out["N-SDP backward C=0.5"],
+        "masking.construction=random",
+        "parallelism.max_comm_groups=64",
+    ]
     out["FSDP"] = ["masking=none", "parallelism=fsdp"]
     out["N-SDP forward C=0.5 x FSDP 2"] = [*out["N-SDP forward C=0.5"], *FSDP]
     out["B-SDP forward C=0.5 x FSDP 2"] = [*out["B-SDP forward C=0.5"], *FSDP]
