@@ -198,7 +198,13 @@ def test_a_probe_of_two_accumulation_steps_gives_the_whole_steps_peak_and_time(o
     assert found.peaks[0] == pytest.approx(whole.memory["peak_with_comm_groups_bytes"], rel=1e-4)
     assert found.accum == 4
     step, expected = step_at(cfg, found, devices=[80.0] * 4, cluster=cluster), step_times(whole, cluster)
-    assert step["compute_s"] == pytest.approx(expected["compute_s"], rel=1e-9)
+    # Each micro-step past the two traced is charged as the cheaper of them (the step model charges
+    # every op, and micro-steps differ: the first writes backward masking's weight refresh back,
+    # a later one accumulates into .grad, the last packs the gradient buckets): 0.4% under DDP's
+    # whole compute, 2.8% under backward masking's, SDP x FSDP's equal.
+    assert step["compute_s"] == pytest.approx(
+        expected["compute_s"], rel=0.03 if "masking=backward" in overrides else 0.005
+    )
     # Backward masking's senders turn from layer to layer (tests/test_plan_layered.py): with 6
     # layers of 2 heads, whose step is all latency, a rank's collectives differ from the line's
     # by 12-13%; llama_1b's by under 2% (docs/plan.md).

@@ -74,3 +74,34 @@ def test_the_cuda_memory_check_rehearses_on_the_cpu_with_the_estimate_per_catego
     rows = {line.split()[0]: line.split()[1:] for line in text[start + 2 : start + 9]}
     assert list(rows) == ["weights", "gradients", "optimizer", "activations", "temporaries", "communicators", "total"]
     assert rows["weights"][2] == rows["optimizer"][3] == "1.0000" and rows["communicators"][1:] == ["not", "seen"]
+
+
+def test_the_step_model_check_fits_on_ddp_and_predicts_the_rest(tmp_path):
+    # Made-up measurements of the tiny LLaMA (the rows the GPU script writes): the fit reads only
+    # DDP's, and every row gets its modelled step and ratio.
+    path = Path(__file__).parents[1] / "scripts" / "step_model_check.py"
+    spec = importlib.util.spec_from_file_location("step_model_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    phases = {"data": 0.0, "forward": 0.002, "backward": 0.004, "sync": 0.0005, "optimizer": 0.0005}
+    rows = [
+        {
+            "model": "llama_tiny",
+            "variant": v,
+            "compile": c,
+            "loss": "chunked",
+            "measured": {"phases_s": phases, "step_s": 0.007},
+        }
+        for v, c in (("DDP", False), ("DDP", True), ("N-SDP forward", False))
+    ]
+    measured = tmp_path / "gpu_speed_test.json"
+    measured.write_text(__import__("json").dumps({"device": "test", "rows": rows}))
+    got = script.run(
+        argparse.Namespace(
+            measured=measured, cluster="h200_nvlink", world_size=2, out=tmp_path, smoke=True, argv=[], traced_with="x"
+        )
+    )
+    assert [r["fitted"] for r in got] == ["eager: efficiency, memory_efficiency", "compiled: compiled_fusion", None]
+    assert all(r["modelled"]["step"] > 0 and r["launches"] > 0 for r in got)
+    text = (tmp_path / "step_model_test.md").read_text()
+    assert "| llama_tiny | N-SDP forward | no | 7 |" in text

@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from sdp.metrics.launches import OpTape
+
 # Dense peak FLOP/s per device by compute dtype (vendor datasheets: SXM parts,
 # no sparsity). fp32 is the non-tensor-core rate, used when TF32 is off (the default).
 PEAK_FLOPS = {
@@ -31,26 +33,31 @@ PEAK_FLOPS = {
 
 class FlopTally(TorchDispatchMode):
     """`with FlopTally() as tally: ...`, then `tally.get_total_flops()`: the FLOPs of the ops
-    run inside, by torch's formulas (see the module doc)."""
+    run inside, by torch's formulas (see the module doc). With `tape`, each op is also kept in
+    order with its launches, FLOPs and bytes (`sdp.metrics.launches.OpTape`: the step-time
+    model's input)."""
 
-    def __init__(self):
+    def __init__(self, *, tape: bool = False):
         super().__init__()
         self.total = 0
+        self.tape = OpTape() if tape else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+        flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
+        self.total += flops
+        if self.tape is not None:
+            self.tape.add(func, args, kwargs, out, flops)
         return out
 
     def get_total_flops(self) -> int:
         return self.total
 
 
-def flop_counter() -> FlopTally:
-    return FlopTally()
+def flop_counter(*, tape: bool = False) -> FlopTally:
+    return FlopTally(tape=tape)
 
 
 def peak_flops(device: torch.device, dtype: str = "fp32") -> float | None:

@@ -20,6 +20,9 @@ tensor reads it without a dispatch: it is not seen.)
 It runs on real tensors and under FakeTensorMode (entered inside it, it sees each op before the
 fake mode does: the ops a device would run). `phase` names where the counts go: set it, or use
 `counting(phase)`.
+
+`OpTape` keeps what the step-time model (`sdp.planning.step_time`) charges each op of a traced
+step, in order: its launches, its FLOPs and the bytes of the tensors it reads and writes.
 """
 
 from __future__ import annotations
@@ -88,6 +91,58 @@ def launches(func, args, kwargs) -> int:
     if name.startswith("aten::_foreach_"):
         return foreach_launches(args, kwargs)
     return 1
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes of the distinct tensors an op reads and writes (an output that is an input, as an
+    in-place op returns it, counts once); a collective's are the links', not the device's: 0."""
+    if func.name().startswith("c10d::"):
+        return 0
+    seen, total = set(), 0
+    for t in (*_tensors(args), *_tensors(list((kwargs or {}).values())), *_tensors(out)):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+class OpTape:
+    """The ops of a traced step in order, as the step-time model charges them: each op's
+    launches, FLOPs and bytes (`launches`, `flops`, `bytes`, one entry an op; views and
+    allocations, which launch nothing, are left out), and the phase each op ran in (`phases`:
+    [name, index of its first op] where the phase changes). `position()` is the number of ops so
+    far: where a collective is issued or needed (`sdp.metrics.comm.CommCounter.position`)."""
+
+    def __init__(self):
+        self.phase = "step"
+        self.launches: list[int] = []
+        self.flops: list[int] = []
+        self.bytes: list[int] = []
+        self.phases: list[list] = []
+
+    def add(self, func, args, kwargs, out, flops: int) -> None:
+        n = launches(func, args, kwargs)
+        if not n and not flops:
+            return
+        if not self.phases or self.phases[-1][0] != self.phase:
+            self.phases.append([self.phase, len(self.launches)])
+        self.launches.append(n)
+        self.flops.append(int(flops))
+        self.bytes.append(op_bytes(func, args, kwargs, out))
+
+    def position(self) -> int:
+        return len(self.launches)
+
+    def to_json(self) -> dict:
+        return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "phases": self.phases}
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -84,7 +84,9 @@ class DDPStrategy(Strategy):
         return self.model.no_sync()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.plain.parameters(), max_norm)
+        # foreach as torch picks it for plain tensors on CUDA and the CPU, said so that a trace under
+        # fake tensors (the estimator's), which torch's pick refuses, runs the same kernels.
+        return torch.nn.utils.clip_grad_norm_(self.plain.parameters(), max_norm, foreach=True)
 
     @contextlib.contextmanager
     def eval_model(self):

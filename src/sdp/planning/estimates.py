@@ -52,6 +52,10 @@ class Estimate:
     trace_s: float
     method: str = "traced"
     step: dict | None = None
+    # The step's ops in order, as the step-time model charges them (sdp.metrics.launches.OpTape:
+    # launches, flops, bytes, phases); the timeline's issue and need points index into them.
+    ops: dict | None = None
+    compiled: bool = False  # the run compiles its blocks (the trace runs them eager)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

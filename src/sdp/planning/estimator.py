@@ -54,6 +54,7 @@ from sdp.planning.ranks import planned_groups
 from sdp.planning.segments import StepSegments
 from sdp.run.build import build_strategy
 from sdp.run.config import RunConfig
+from sdp.run.nonfinite import NonFiniteGuard, skips_on_device
 from sdp.run.trainer import train_step
 from sdp.run.trainer_config import micro_batch_size
 from sdp.subnet import is_sdp
@@ -187,10 +188,10 @@ def estimate(cfg: RunConfig, *, world_size: int, rank: int, head: str | None = N
 
 
 def _traceable(cfg: RunConfig) -> RunConfig:
-    """`cfg` as a trace runs it: no NaN check under fake tensors (it reads a value; it costs a
-    scalar, nothing to measure), and eager: compiled blocks fuse elementwise work and keep fewer
-    activations, so the estimate of a compiled run is an upper bound (dynamo does not trace
-    under this fake mode)."""
+    """`cfg` as a trace runs it: no host NaN check under fake tensors (it reads a value; `_Run`
+    runs the device's check, which reads none, where the run has it), and eager: compiled
+    blocks fuse elementwise work and keep fewer activations, so the estimate of a compiled run
+    is an upper bound (dynamo does not trace under this fake mode)."""
     trainer = dataclasses.replace(cfg.trainer, on_nonfinite="off")
     return dataclasses.replace(cfg, trainer=trainer, parallelism=dataclasses.replace(cfg.parallelism, compile=False))
 
@@ -199,7 +200,8 @@ def run_key(cfg: RunConfig) -> str:
     """What a `_Run` is built from: the config but its batch (`measure` takes any micro-batch
     and accumulation)."""
     trainer = dataclasses.replace(_traceable(cfg).trainer, global_batch_size=0, grad_accum_steps=0)
-    return repr(dataclasses.replace(_traceable(cfg), trainer=trainer))
+    checked = cfg.trainer.on_nonfinite != "off"  # the device's check in the step, or none
+    return f"{dataclasses.replace(_traceable(cfg), trainer=trainer)!r} checked={checked}"
 
 
 @contextlib.contextmanager
@@ -232,6 +234,9 @@ class _Run:
     the CPU torch's per-tensor loop, one tensor's temporaries at a time."""
 
     def __init__(self, cfg: RunConfig, *, world_size: int, rank: int, target: str = "cuda"):
+        # parallelism.compile null: compiled on CUDA (sdp.parallel.compile); the trace runs eager
+        self.compiled = bool(cfg.parallelism.compile) or (cfg.parallelism.compile is None and target == "cuda")
+        checked = cfg.trainer.on_nonfinite != "off"
         cfg = _traceable(cfg)
         self.world_size, self.rank, self.device = world_size, rank, torch.device("cpu")
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -246,6 +251,11 @@ class _Run:
                 self.optimizer = build_optimizer(
                     self.strategy.trainable(), cfg.optim, device=on, default_foreach=on.type == "cuda"
                 )
+                # The NaN/Inf check the trainer runs on the device with a fused optimizer (it reads
+                # nothing back: traceable); the host's check, which reads, is left out.
+                self.guard = NonFiniteGuard("stop", max_skips=0, device=self.device)
+                if not (checked and skips_on_device(self.optimizer)):
+                    self.guard = None
                 self.comm.timeline = []
                 self._step(cfg, self._batches(cfg), accum=1)
         self.comm.discard_step()
@@ -279,9 +289,19 @@ class _Run:
         at `accum` accumulation steps if given), inside the fake mode."""
         micro = micro_batch_size(cfg.trainer, world_size=self.world_size)
         run = dataclasses.replace(cfg.trainer, grad_accum_steps=accum or cfg.trainer.grad_accum_steps)
-        return train_step(
-            self.strategy, self.optimizer, batches, cfg=run, micro=micro, device=self.device, timer=self.timer
+        loss = train_step(
+            self.strategy,
+            self.optimizer,
+            batches,
+            cfg=run,
+            micro=micro,
+            device=self.device,
+            timer=self.timer,
+            guard=self.guard,
         )
+        if self.guard is not None:
+            self.guard.forget()  # its records are read where a run reads them: never, in a trace
+        return loss
 
     def _batches(self, cfg: RunConfig):
         return itertools.repeat(dummy_batch(cfg, micro_batch_size(cfg.trainer, world_size=self.world_size)))
@@ -304,6 +324,7 @@ class _Run:
                 outer=self.outer,
             )
         syncs, sent, sync_segments = static.pop("syncs", (None, {}, None))
+        ops = static.pop("ops")
         for kind, nbytes in sent.items():  # a window's syncs spread over its H steps: the run's mean per step
             per_step[kind] += nbytes / cfg.outer.sync_every
         groups = planned_groups(cfg, world_size=self.world_size)[self.rank]
@@ -320,6 +341,8 @@ class _Run:
             timeline=timeline,
             precision=cfg.parallelism.mixed_precision,
             trace_s=0.0,
+            ops=ops,
+            compiled=self.compiled,
         )
 
 
@@ -454,20 +477,22 @@ def _profiled_steps(
     outer: OuterLoop | None = None,
 ) -> tuple[int, dict, tuple[dict, dict], list[dict], dict[str, float]]:
     """The step after the warm-up (`_Run`) gives the FLOPs and the live peak (as `measure_peak`
-    measures it, with the peak of each segment that `segments`, the steps' timer, marks). Its
-    collectives are kept with the FLOPs done when each is issued and needed (the step-time
-    model), those it needs itself (issued in it or just before: `comm.timeline` holds the step
+    measures it, with the peak of each segment that `segments`, the steps' timer, marks), and its
+    ops in order with their launches, FLOPs and bytes (`static["ops"]`, an OpTape's). Its
+    collectives are kept with the number of ops done when each is issued and needed (the
+    step-time model), those it needs itself (issued in it or just before: `comm.timeline` holds the step
     before's, issued at no position). With an outer loop, its state joins the static bytes (and
     the peak, on the device) and a sync is traced after the step for its peak
     (`sync_peak_bytes`). Returns (FLOPs, static bytes, (peak by kind, peak by kind of each
     segment), timeline, bytes sent by kind)."""
     static = strategy.memory(optimizer)
     live = LivePeak(strategy.model, optimizer, outer.device_state() if outer else ())
-    with flop_counter() as counter, torch.compiler.set_stance("force_eager"):
-        with live, segments.tracking(live, strategy.model, head):
-            comm.position = counter.get_total_flops
+    with flop_counter(tape=True) as counter, torch.compiler.set_stance("force_eager"):
+        with live, segments.tracking(live, strategy.model, head, tape=counter.tape):
+            comm.position = counter.tape.position
             run_step()
     comm.position, timeline = None, comm.timeline
+    static["ops"] = counter.tape.to_json()
     step = comm.end_step()
     per_step = {kind: float(step.get(kind, 0)) for kind in COMM_KINDS}  # this step's, not a mean over the run's
     if outer is not None:  # the outer loop's state, and a sync's peak and collectives (a step's gradients alive)

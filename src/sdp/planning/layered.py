@@ -174,6 +174,7 @@ def extended(one: Estimate, two: Estimate, times: float, *, cluster: Cluster | N
         peak_segments=segments,
         sync_segments=syncs,
         timeline=None,
+        ops=None,  # the short traces' own: the step on a cluster is theirs, extended
         step=None if cluster is None else extend_steps(step_times(one, cluster), step_times(two, cluster), times),
         trace_s=round(one.trace_s + two.trace_s, 2),
     )

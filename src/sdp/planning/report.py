@@ -16,6 +16,7 @@ from sdp.planning.fit import GIB
 from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
+from sdp.planning.step_time import STEP_TERMS, step_terms
 
 CLAIMS = "results/cpu_replica/claims.md"
 LOWCOMM = "docs/lowcomm.md"  # the low-communication comparison
@@ -86,6 +87,7 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
             out.step_s = found.step["step_overlapped_s"]
             out.exposed_comm_s = found.step["exposed_overlapped_s"]
             out.per_s = run.per_step / found.step["step_overlapped_s"]
+            out.step_terms = {k: found.step[k] for k in STEP_TERMS}
     return out
 
 
@@ -150,6 +152,8 @@ def format_rows(best: list[Row], *, unit: str, top: int) -> str:
             f"  {i:>3}  {r.run:<50} {r.micro_batch:>5} x {r.accum:<3}  {_peaks(r):<24} "
             f"{r.headroom:5.0%}  {step}  {rate}  {r.comm_bytes_per_step / MIB:13,.1f}  {r.caveat}"
         )
+        if r.step_terms is not None:
+            lines.append(f"       step: {step_terms(r.step_terms)}")
         lines.append(f"       $ {r.command}")
     if len(best) > top:
         lines.append(f"  ... {len(best) - top} more rows that fit (top=all shows them; out=DIR keeps them all)")

@@ -62,6 +62,9 @@ class Row:
     exposed_comm_s: float | None = None
     per_s: float | None = None  # tokens or samples a second (`RunFacts.unit`)
     line_peaks_bytes: dict[int, int] | None = None
+    # The step's compute terms (sdp.planning.step_time.step_terms): launches, seconds of the host
+    # launching them, of FLOPs, of bytes, and of the device waiting for the host.
+    step_terms: dict | None = None
 
     @property
     def run(self) -> str:
@@ -116,6 +119,7 @@ class Row:
             out["command"] = self.command
         if self.step_s is not None:
             out |= {"step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s, f"{unit}_per_s": self.per_s}
+            out["step_terms"] = self.step_terms
         if self.line_peaks_bytes is not None:
             out["line_peaks_bytes"] = self.line_peaks_bytes
         return out
@@ -144,6 +148,7 @@ class Row:
             exposed_comm_s=data.get("exposed_comm_s"),
             per_s=data.get(f"{unit}_per_s"),
             line_peaks_bytes=ranks(data.get("line_peaks_bytes")),
+            step_terms=data.get("step_terms"),
         )
 
 

@@ -34,11 +34,14 @@ class StepSegments(PhaseTimer):
         self._live: LivePeak | None = None
         self._micro = -1
         self._split = self._stepped = False
+        self.tape = None  # an OpTape (sdp.metrics.launches) told each phase, while tracking
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         if self._live is not None:
             self._live.mark(self._segment(phase))
+        if self.tape is not None:
+            self.tape.phase = phase
         with super().__call__(phase):
             yield
 
@@ -55,15 +58,17 @@ class StepSegments(PhaseTimer):
         return "after step" if self._stepped and phase == "sync" else phase
 
     @contextlib.contextmanager
-    def tracking(self, live: LivePeak, model: torch.nn.Module, head: str | None = None):
-        """Mark segments on `live` inside; `head`: the qualified name of the module where the
-        head begins (None: no head segments); AttributeError when `model` has no such module."""
+    def tracking(self, live: LivePeak, model: torch.nn.Module, head: str | None = None, tape=None):
+        """Mark segments on `live` inside, and tell `tape` each phase; `head`: the qualified name
+        of the module where the head begins (None: no head segments); AttributeError when `model`
+        has no such module."""
         self._live, self._micro, self._split, self._stepped = live, -1, head is not None, False
+        self.tape = tape
         handle = None if head is None else model.get_submodule(head).register_forward_pre_hook(self._head)
         try:
             yield self
         finally:
-            self._live, self._split = None, False
+            self._live, self._split, self.tape = None, False, None
             if handle is not None:
                 handle.remove()
 

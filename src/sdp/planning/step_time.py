@@ -6,13 +6,20 @@ compute stood when the collective could start (its issue point, in FLOPs done
 so far in the step) and where the compute first needs its result (its need
 point). This module turns that timeline into seconds on a described machine:
 
-- compute: FLOPs / (peak FLOP/s x efficiency), plus the optimizer's memory
-  traffic at the device's memory bandwidth;
+- compute: the step's ops in order (the trace's `ops`), each a kernel launch that the host
+  issues in `launch_us` and the device runs in max(FLOPs / (peak x efficiency), bytes /
+  memory bandwidth): a roofline, so a small matrix product runs below peak. The device starts
+  an op when the host has issued it and the op before has ended (`compute_clock`), so a step of
+  many small ops waits on the host. A compiled run's blocks fuse their elementwise work: its
+  forward and backward ops that are not matrix products launch and move `compiled_fusion` of
+  what they do eager. The other ops reach `memory_efficiency` of the bandwidth. A cluster
+  without `launch_us` or `memory_bound_ops` (the CPU's, whose efficiency was measured over
+  whole steps) charges FLOPs at `efficiency` alone;
 - each collective: an alpha-beta model of NCCL's ring algorithms, on the
   slowest link its group spans (within a node or across nodes);
 - the schedule: collectives run one at a time in issue order; each starts at
-  its issue point (or when the previous one ends) and the compute stalls at a
-  need point until that collective has ended. The stalls are the exposed
+  its issue point (the compute's clock after the ops issued before it, or when the previous
+  one ends) and the compute stalls at a need point until that collective has ended. The stalls are the exposed
   communication. Where communication shares the compute's cores (a CPU), the
   communication hidden behind the compute still slows it by
   `comm_compute_share` of its duration.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
@@ -62,6 +70,16 @@ class Cluster:
     # and compute are separate engines (GPUs; NCCL's kernels take a few SMs), large where
     # the same CPU cores do both.
     comm_compute_share: float = 0.0
+    # The host's time per kernel launch of an eager step (Python, the dispatcher, the launch):
+    # a step of more launches than its device time allows waits on the host. 0: not charged.
+    launch_us: float = 0.0
+    # Each op also bounded by its bytes at memory_gbps x memory_efficiency (the roofline); false:
+    # FLOPs alone (the CPU's calibration).
+    memory_bound_ops: bool = False
+    memory_efficiency: float = 1.0
+    # A compiled run (parallelism.compile): the share of its eager forward's and backward's launches
+    # and bytes of ops that are not matrix products that its fused kernels keep.
+    compiled_fusion: float = 1.0
     ranks_per_node: int = 0  # how the run's ranks sit on the nodes (set by `place`; 0: devices_per_node)
 
 
@@ -98,6 +116,11 @@ def load_cluster(name: str, overrides: dict[str, str] | None = None) -> Cluster:
     for key, value in (overrides or {}).items():
         if key not in fields:
             raise ConfigError(f"cluster.{key}", value, f"no such key; allowed: {', '.join(sorted(fields))}")
+        if key == "memory_bound_ops":
+            if str(value).lower() not in ("true", "false"):
+                raise ConfigError(f"cluster.{key}", value, "must be true or false")
+            raw[key] = str(value).lower() == "true"
+            continue
         try:
             raw[key] = value if key in ("name", "description") else float(value)
         except ValueError:
@@ -106,6 +129,12 @@ def load_cluster(name: str, overrides: dict[str, str] | None = None) -> Cluster:
     cluster.devices_per_node = int(cluster.devices_per_node)
     if not 0 < cluster.efficiency <= 1:
         raise ConfigError("cluster.efficiency", cluster.efficiency, "must be in (0, 1]")
+    if not 0 < cluster.memory_efficiency <= 1:
+        raise ConfigError("cluster.memory_efficiency", cluster.memory_efficiency, "must be in (0, 1]")
+    if not 0 < cluster.compiled_fusion <= 1:
+        raise ConfigError("cluster.compiled_fusion", cluster.compiled_fusion, "must be in (0, 1]")
+    if cluster.launch_us < 0:
+        raise ConfigError("cluster.launch_us", cluster.launch_us, "must be >= 0")
     return cluster
 
 
@@ -157,6 +186,95 @@ class StepTime:
     by_kind: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
 
 
+@dataclass
+class Compute:
+    """A traced step's ops on a device (`compute_clock`): the device's clock at the end of each
+    op, and the terms it is made of."""
+
+    clock: list[float]  # seconds, at the end of each op
+    launches: float  # kernel launches (a compiled run's fused ones fewer)
+    launch_s: float  # the host's time issuing them
+    flop_s: float  # the ops' FLOPs at peak x efficiency
+    memory_s: float  # their bytes at the memory bandwidth (0: not charged)
+    device_s: float  # each op's larger of the two, summed
+    optimizer_s: float  # the clock's time in the optimizer phase
+    micro_s: float  # the clock's time in the data, forward and backward phases: the micro-steps'
+    micro_steps: list[float]  # each micro-step's (its forward's and backward's, in order)
+
+    @property
+    def host_wait_s(self) -> float:
+        """Where the device waited for the host to issue its next op."""
+        return (self.clock[-1] if self.clock else 0.0) - self.device_s
+
+    def at(self, position: float) -> float:
+        """The clock after the first `position` ops."""
+        k = min(int(position), len(self.clock))
+        return self.clock[k - 1] if k > 0 else 0.0
+
+
+def compute_clock(
+    ops: dict, cluster: Cluster, *, precision: str, compiled: bool = False, optimizer_bytes: float = 0.0
+) -> Compute:
+    """The device's clock over a traced step's ops (`Estimate.ops`): the host issues op i after
+    launches_i x launch_us more; the device starts it when issued and when op i-1 has ended, and
+    runs it in max(flops / (peak x efficiency), bytes / (memory bandwidth x memory_efficiency)).
+    So end_i = max(end_{i-1}, host_i) + d_i, that is D_i + max over j <= i of (host_j - D_{j-1}),
+    D the device times summed. A compiled run's forward and backward ops that are not matrix
+    products (no FLOPs counted) launch and move `compiled_fusion` of their eager launches and
+    bytes. Without `memory_bound_ops` (FLOPs alone) the optimizer phase ends with its
+    `optimizer_bytes` of traffic at the memory bandwidth."""
+    peak = 1e12 * (cluster.peak_tflops_bf16 if precision == "bf16" else cluster.peak_tflops_fp32)
+    bandwidth = 1e9 * cluster.memory_gbps
+    n, flops, nbytes = (np.asarray(ops[k], dtype=np.float64) for k in ("launches", "flops", "bytes"))
+    phase = np.array(_phase_of(ops), dtype=object)
+    if compiled:
+        fused = np.isin(phase, ["forward", "backward"]) & (flops == 0)
+        n, nbytes = (
+            np.where(fused, n * cluster.compiled_fusion, n),
+            np.where(fused, nbytes * cluster.compiled_fusion, nbytes),
+        )
+    f = flops / (peak * cluster.efficiency)
+    m = nbytes / (bandwidth * cluster.memory_efficiency) if cluster.memory_bound_ops else np.zeros_like(f)
+    optimizer = phase == "optimizer"
+    if not cluster.memory_bound_ops and optimizer.any():  # FLOPs alone: the optimizer's traffic, at its end
+        m[np.flatnonzero(optimizer)[-1]] += optimizer_bytes / bandwidth
+    d = np.maximum(f, m)
+    host, summed = np.cumsum(n * 1e-6 * cluster.launch_us), np.cumsum(d)
+    ahead = np.maximum.accumulate(host - np.concatenate([[0.0], summed[:-1]])) if len(d) else d
+    clock = summed + np.maximum(ahead, 0.0)
+    spent = np.diff(np.concatenate([[0.0], clock]))
+    micro = np.isin(phase, ["data", "forward", "backward"])
+    starts = [start for name, start in ops["phases"] if name == "forward"] + [len(d)]  # a micro-step's first op
+    micro_steps = [float(spent[a:b][micro[a:b]].sum()) for a, b in zip(starts, starts[1:], strict=False)]
+    return Compute(
+        clock=clock.tolist(),
+        launches=float(n.sum()),
+        launch_s=float(host[-1]) if len(host) else 0.0,
+        flop_s=float(f.sum()),
+        memory_s=float(m.sum()),
+        device_s=float(d.sum()),
+        optimizer_s=float(spent[optimizer].sum()),
+        micro_s=float(spent[micro].sum()),
+        micro_steps=micro_steps,
+    )
+
+
+def phase_seconds(compute: Compute, ops: dict) -> dict[str, float]:
+    """The clock's time in each phase of the step (the trainer's: data, forward, backward, sync,
+    optimizer), as a GPU's timer of the phases measures it."""
+    spent = np.diff(np.concatenate([[0.0], np.asarray(compute.clock)]))
+    phase = np.array(_phase_of(ops), dtype=object)
+    return {p: float(spent[phase == p].sum()) for p in dict.fromkeys(phase.tolist())}
+
+
+def _phase_of(ops: dict) -> list[str]:
+    """Each op's phase, from the run-length `phases`."""
+    out, marks = [], ops["phases"] + [[None, len(ops["launches"])]]
+    for (name, start), (_, end) in zip(marks, marks[1:], strict=False):
+        out += [name] * (end - start)
+    return out
+
+
 def _prefetched(collectives: list[Collective]) -> list[Collective]:
     """FSDP's all-gathers start one block ahead: at the need point of the one before."""
     out, previous_need = [], 0.0
@@ -171,16 +289,12 @@ def _prefetched(collectives: list[Collective]) -> list[Collective]:
 def simulate(
     collectives: list[Collective],
     *,
-    step_flops: float,
-    optimizer_bytes: float,
+    compute: Compute,
     cluster: Cluster,
-    precision: str,
     serial: bool = False,
 ) -> StepTime:
-    """One step's time on `cluster`: compute, plus the communication it could not hide."""
-    peak = 1e12 * (cluster.peak_tflops_bf16 if precision == "bf16" else cluster.peak_tflops_fp32)
-    rate = peak * cluster.efficiency  # FLOPs per second of compute
-    optimizer_s = optimizer_bytes / (1e9 * cluster.memory_gbps)
+    """One step's time on `cluster`: its compute (`compute_clock`), plus the communication it
+    could not hide. A collective's issue and need points are positions in the step's ops."""
     if serial:
         collectives = [Collective(c.op, c.kind, c.nbytes, c.ranks, c.need, c.need) for c in collectives]
     else:
@@ -192,7 +306,7 @@ def simulate(
     )
     stall, free, ends, by_kind, total = 0.0, 0.0, {}, {}, 0.0
     for position, is_need, i in events:
-        now = position / rate + stall
+        now = compute.at(position) + stall
         c = collectives[i]
         if not is_need:
             duration = collective_seconds(c, cluster)
@@ -202,32 +316,26 @@ def simulate(
         elif ends[i] > now:
             stall += ends[i] - now
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + ends[i] - now
-    compute_s = step_flops / rate
+    whole = compute.clock[-1] if compute.clock else 0.0
     hidden = total - stall  # communication that ran beside the compute
-    step_s = compute_s + optimizer_s + stall + cluster.comm_compute_share * hidden
-    return StepTime(step_s, compute_s, optimizer_s, stall, total, by_kind)
-
-
-def optimizer_bytes(memory: dict) -> float:
-    """Memory traffic of one AdamW/SGD step on a rank: its trainable weights read and written,
-    their gradients read, the optimizer state read and written (from the estimator's static
-    bytes; the gradients are as large as the trainable weights)."""
-    return 3 * memory["grads_bytes"] + 2 * memory["optim_bytes"]
+    step_s = whole + stall + cluster.comm_compute_share * hidden
+    return StepTime(step_s, whole - compute.optimizer_s, compute.optimizer_s, stall, total, by_kind)
 
 
 def step_times(est: Estimate, cluster: Cluster) -> dict:
-    """An estimate's step on `cluster`, overlapped (as traced) and serial, in seconds."""
+    """An estimate's step on `cluster`, overlapped (as traced) and serial, in seconds, with the
+    terms of its compute (`compute_clock`)."""
+    if est.ops is None:
+        raise ValueError("the step-time model needs a traced step's ops (Estimate.ops)")
     collectives = [
         Collective(r["op"], r["kind"], r["bytes"], tuple(r["ranks"]), max(0.0, r["issue"] or 0.0), r["need"])
         for r in est.timeline
     ]
-    common = dict(
-        step_flops=est.flops_per_step,
-        optimizer_bytes=optimizer_bytes(est.memory),
-        cluster=cluster,
-        precision=est.precision,
+    compute = compute_clock(
+        est.ops, cluster, precision=est.precision, compiled=est.compiled, optimizer_bytes=optimizer_bytes(est.memory)
     )
-    over, serial = simulate(collectives, **common), simulate(collectives, serial=True, **common)
+    over = simulate(collectives, compute=compute, cluster=cluster)
+    serial = simulate(collectives, compute=compute, cluster=cluster, serial=True)
     out = {
         "compute_s": over.compute_s,
         "optimizer_s": over.optimizer_s,
@@ -237,12 +345,28 @@ def step_times(est: Estimate, cluster: Cluster) -> dict:
         "step_serial_s": serial.step_s,
         "step_overlapped_s": over.step_s,
         "exposed_by_kind_s": over.by_kind,
+        "micro_steps_s": compute.micro_s,
+        # A micro-step that neither waits for the weight refresh (the first) nor packs gradient
+        # buckets (the last): the cheapest traced one, what each added accumulation step costs.
+        "micro_step_s": min(compute.micro_steps, default=0.0),
+        "launches": compute.launches,
+        "launch_s": compute.launch_s,
+        "flop_s": compute.flop_s,
+        "memory_s": compute.memory_s,
+        "host_wait_s": compute.host_wait_s,
     }
     if est.sync_timelines:
         out.update(outer_sync_times(est, cluster, compute_s=over.compute_s))
         for key in ("step_serial_s", "step_overlapped_s"):  # the runtime waits for each sync
             out[key] += out["outer_sync_per_step_s"]
     return out
+
+
+def optimizer_bytes(memory: dict) -> float:
+    """Memory traffic of one AdamW/SGD step on a rank: its trainable weights read and written,
+    their gradients read, the optimizer state read and written (from the estimator's static
+    bytes; the gradients are as large as the trainable weights)."""
+    return 3 * memory["grads_bytes"] + 2 * memory["optim_bytes"]
 
 
 def outer_sync_times(est: Estimate, cluster: Cluster, *, compute_s: float) -> dict:
@@ -278,15 +402,32 @@ def resync(step: dict, *, every: int) -> dict:
     return {**step, **figures, **{k: step[k] + moved for k in ("step_serial_s", "step_overlapped_s")}}
 
 
+STEP_TERMS = ("launches", "launch_s", "flop_s", "memory_s", "host_wait_s")  # a step's compute terms
+
+
+def step_terms(step: dict) -> str:
+    """A step's compute terms in one line (`step_times`' keys)."""
+    return (
+        f"{step['launches']:,.0f} launches ({step['launch_s']:.4f} s of the host), FLOPs {step['flop_s']:.4f} s, "
+        f"bytes {step['memory_s']:.4f} s, waiting for the host {step['host_wait_s']:.4f} s"
+    )
+
+
 def format_step_times(rows: list[dict], cluster: Cluster, *, world_size: int) -> str:
     """The rows of `step_times` as a table, with each step's ratio to the first row's (DDP's)."""
     per_node = cluster.ranks_per_node or cluster.devices_per_node
     nodes = -(-world_size // per_node)
     head = (
-        f"step time on {cluster.name}: {world_size} ranks on {nodes} node(s) of {per_node}; compute at "
+        f"step time on {cluster.name}: {world_size} ranks on {nodes} node(s) of {per_node}; matrix products at "
         f"{cluster.efficiency:g} x peak ({cluster.peak_tflops_bf16:g} TFLOP/s bf16, "
         f"{cluster.peak_tflops_fp32:g} fp32), "
-        f"links {cluster.intra_node_gbps:g} GB/s within a node, {cluster.inter_node_gbps:g} GB/s across nodes"
+        + (
+            f"each op's bytes at {cluster.memory_gbps:g} GB/s x {cluster.memory_efficiency:g}, "
+            if cluster.memory_bound_ops
+            else ""
+        )
+        + (f"{cluster.launch_us:g} us a kernel launch, " if cluster.launch_us else "")
+        + f"links {cluster.intra_node_gbps:g} GB/s within a node, {cluster.inter_node_gbps:g} GB/s across nodes"
     )
     lines = [
         head,
@@ -300,6 +441,7 @@ def format_step_times(rows: list[dict], cluster: Cluster, *, world_size: int) ->
             f"{r['exposed_serial_s']:9.4f} / {r['exposed_overlapped_s']:<9.4f}        "
             f"{r['step_serial_s']:8.4f} / {r['step_overlapped_s']:<8.4f}     {r['step_overlapped_s'] / base:6.2f}"
         )
+        lines.append(f"    compute: {step_terms(r)}")
         if "outer_sync_window_s" in r:
             window, per_step = r["outer_sync_window_s"], r["outer_sync_per_step_s"]
             beside = r["outer_sync_overlapped_per_step_s"]

@@ -147,6 +147,10 @@ class NonFiniteGuard:
         )
         self.step += 1
 
+    def forget(self) -> None:
+        """Drop the records of the steps checked so far, unread (the estimator's traced steps)."""
+        self._steps = []
+
     def report(self) -> list[tuple[int, NonFiniteStep]]:
         """Collective, reads the device: the non-finite steps since the last report, in order,
         each with its diagnostic (every rank's loss and non-finite gradient tensors)."""

@@ -103,7 +103,7 @@ class StepSync:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.local:
-            return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+            return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm, foreach=True)  # as DDPStrategy's
         norm = self.grads.global_norm(rank=self.rank)
         self.scale(self.trainable, max_norm, norm)
         return norm
