@@ -16,7 +16,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdp import dist
 from sdp.errors import ConfigError
 from sdp.metrics.comm import CommCounter
-from sdp.optim import OptimConfig, build_optimizer, is_dense
+from sdp.optim import (
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    hyperparameters,
+    is_dense,
+    load_schedule,
+    rebind,
+    regrouped,
+)
 from sdp.planning.estimator import dummy_batch
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
@@ -137,10 +146,11 @@ def test_an_explicit_fused_optimizer_refuses_a_tensor_that_is_not_dense():
     )
 
 
-def test_dtensors_beside_plain_tensors_get_the_per_tensor_loop():
+def test_dtensors_beside_plain_tensors_are_two_groups_each_in_one_call():
     # Neuron SDP x FSDP of a ResNet or Swin trains FSDP's sharded weights (DTensors) beside its
-    # replicated biases and norms: CUDA's fused AdamW and torch's foreach (its default there) both
-    # stop at the first step, "aten._fused_adamw_.default got mixed torch.Tensor and DTensor".
+    # replicated biases and norms: in one call CUDA's fused AdamW and torch's foreach both stop at
+    # the first step, "aten._fused_adamw_.default got mixed torch.Tensor and DTensor". Two
+    # parameter groups, the same settings, each takes its fast path.
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     with dist.fake_process_group(0, 2):
@@ -148,16 +158,37 @@ def test_dtensors_beside_plain_tensors_get_the_per_tensor_loop():
         sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]))
         plain = torch.nn.Parameter(torch.ones(3))
         cuda = torch.device("cuda")
-        optimizer = build_optimizer([sharded, plain], OptimConfig(), device=cuda, default_foreach=True)
-        assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (None, False)
-        sharded.grad, plain.grad = torch.ones_like(sharded), torch.ones_like(plain)
-        optimizer.step()  # takes both
-        assert build_optimizer([sharded], OptimConfig(), device=cuda).defaults["fused"]  # one kind: fused
-        for implementation in ("fused", "foreach"):
-            with pytest.raises(ConfigError) as refused:
-                build_optimizer([sharded, plain], OptimConfig(implementation=implementation), device=cuda)
-            assert str(refused.value) == (
-                f"optim.implementation='{implementation}': torch's fused and foreach updates take DTensors or "
-                "plain tensors in one call, not both, and this run trains both (neuron SDP x FSDP of a ResNet or "
-                "Swin: FSDP's sharded weights beside the replicated biases and norms): use optim.implementation=auto"
-            )
+        for implementation, kind in (("auto", "fused"), ("fused", "fused"), ("foreach", "foreach")):
+            optimizer = build_optimizer([sharded, plain], OptimConfig(implementation=implementation), device=cuda)
+            assert [g["params"] for g in optimizer.param_groups] == [[sharded], [plain]]
+            assert all(g[kind] for g in optimizer.param_groups)
+            sharded.grad, plain.grad = torch.ones_like(sharded), torch.ones_like(plain)
+            if kind == "fused":
+                optimizer.found_inf = torch.zeros(())  # as the device guard hands it over
+            optimizer.step()  # each group in one call (the CPU's fused kernel takes both kinds of group)
+        # A resample points the groups at new tensors, each kind to its own.
+        other, bias = (
+            torch.nn.Parameter(distribute_tensor(torch.ones(2, 3), mesh, [Replicate()])),
+            torch.nn.Parameter(torch.ones(2)),
+        )
+        rebind(optimizer, [bias, other], {})
+        assert [g["params"] for g in optimizer.param_groups] == [[other], [bias]]
+
+
+def test_a_saved_optimizer_of_one_group_resumes_into_two_and_back():
+    # A checkpoint's settings and its lr schedule, saved with one group (every run before the split,
+    # or plain SDP), fit an optimizer of two (SDP x FSDP), and two alike fit one; unlike ones refuse.
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    one = build_optimizer(params, OptimConfig())
+    two = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3)
+    saved = hyperparameters(one)
+    assert regrouped(saved, 2) == [saved[0], saved[0]] and regrouped(saved * 2, 1) == saved
+    with pytest.raises(ValueError, match="the saved optimizer has 2 parameter groups, this one 1"):
+        regrouped([saved[0], {**saved[0], "lr": 1.0}], 1)
+    schedule = build_scheduler(one, OptimConfig(warmup_steps=2), max_steps=10)
+    one.step(), schedule.step()
+    widened = build_scheduler(two, OptimConfig(warmup_steps=2), max_steps=10)
+    load_schedule(widened, schedule.state_dict())
+    widened.step()
+    schedule.step()
+    assert [g["lr"] for g in two.param_groups] == [one.param_groups[0]["lr"]] * 2  # both groups follow

@@ -49,8 +49,8 @@ class OptimConfig:
     # guard's found_inf, see sdp.run.nonfinite); foreach: torch's multi-tensor one. auto: fused on
     # CUDA where every trained tensor is dense (every variant's are: sdp.subnet.layout), torch's
     # default elsewhere (on CPU its per-tensor loop: the CPU results so far). Neuron SDP x FSDP of a
-    # ResNet or Swin trains DTensors beside plain tensors, which neither multi-tensor update takes
-    # in one call: there auto is the per-tensor loop, and fused or foreach is refused.
+    # ResNet or Swin trains DTensors beside plain tensors, which no multi-tensor update takes in one
+    # call: they are two parameter groups, each updated in one (`by_kind`).
     implementation: Implementation = Implementation.auto
 
 
@@ -88,12 +88,22 @@ def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:
     )
 
 
-def mixes_dtensors(tensors: list[torch.Tensor]) -> bool:
-    """Whether `tensors` hold both DTensors and plain tensors (none is a DTensor unless its module
-    was imported, so this imports nothing)."""
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (none is unless its module was imported, so this imports nothing)."""
     module = sys.modules.get("torch.distributed.tensor")
-    kinds = {module is not None and isinstance(t, module.DTensor) for t in tensors}
-    return len(kinds) == 2
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def mixes_dtensors(tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` hold both DTensors and plain tensors."""
+    return len({_is_dtensor(t) for t in tensors}) == 2
+
+
+def by_kind(tensors: list[torch.Tensor]) -> list[dict]:
+    """Parameter groups that torch's fused and foreach updates each take in one call: the DTensors,
+    then the plain tensors (neuron SDP x FSDP of a ResNet or Swin trains FSDP's sharded weights
+    beside the replicated biases and norms; one call refuses the mix)."""
+    return [{"params": [t for t in tensors if _is_dtensor(t)]}, {"params": [t for t in tensors if not _is_dtensor(t)]}]
 
 
 def _tensors(params) -> list[torch.Tensor]:
@@ -106,19 +116,12 @@ def build_optimizer(
     """Build the optimizer over `params` (only the tensors this rank trains) on `device`.
     `default_foreach`: what torch's own choice (foreach=None) is to be, where the tensors are
     not on `device` (the memory estimator's fake CPU tensors stand for CUDA ones, where torch
-    chooses foreach); None: torch chooses by the tensors' device."""
-    params = list(params)
-    mixed = mixes_dtensors(_tensors(params))
-    if mixed and cfg.implementation != "auto":
-        raise ConfigError(
-            "optim.implementation",
-            str(cfg.implementation),
-            "torch's fused and foreach updates take DTensors or plain tensors in one call, not both, and this run "
-            "trains both (neuron SDP x FSDP of a ResNet or Swin: FSDP's sharded weights beside the replicated "
-            "biases and norms): use optim.implementation=auto",
-        )
-    fused = is_fused(cfg, device) and not mixed
-    if fused and device is not None and device.type == "cuda" and not all(map(is_dense, _tensors(params))):
+    chooses foreach); None: torch chooses by the tensors' device. DTensors beside plain tensors
+    are two parameter groups (`by_kind`), each updated in one call."""
+    tensors = _tensors(list(params))
+    params = by_kind(tensors) if mixes_dtensors(tensors) else tensors
+    fused = is_fused(cfg, device)
+    if fused and device is not None and device.type == "cuda" and not all(map(is_dense, tensors)):
         if cfg.implementation == "fused":
             raise ConfigError(
                 "optim.implementation",
@@ -129,8 +132,6 @@ def build_optimizer(
         fused = False  # auto: torch's default, and the NaN/Inf check on the host
     if fused:
         kind = {"fused": True}
-    elif mixed:  # auto: the per-tensor loop, which takes both (torch's default on CUDA, foreach, does not)
-        kind = {"foreach": False}
     else:
         kind = {"foreach": True if cfg.implementation == "foreach" else default_foreach}
     if cfg.name == "adamw":
@@ -159,11 +160,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_s
 
 
 def rebind(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: dict) -> None:
-    """Point a one-group optimizer at new parameters with the given state (SDP's mask
-    resampling); its hyperparameters and the lr schedule driving it carry on."""
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(f"rebind needs an optimizer with one parameter group, got {len(optimizer.param_groups)}")
-    optimizer.param_groups[0]["params"] = list(params)
+    """Point the optimizer at new parameters with the given state (SDP's mask resampling), split
+    into its groups as `build_optimizer` split them; its hyperparameters and the lr schedule
+    driving it carry on."""
+    groups = by_kind(list(params)) if len(optimizer.param_groups) == 2 else [{"params": list(params)}]
+    if len(optimizer.param_groups) not in (1, 2):
+        raise ValueError(f"rebind needs an optimizer of one or two parameter groups, got {len(optimizer.param_groups)}")
+    for group, new in zip(optimizer.param_groups, groups, strict=True):
+        group["params"] = new["params"]
     optimizer.state = defaultdict(dict, state)
 
 
@@ -190,13 +194,30 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+def regrouped(groups: list, n: int) -> list:
+    """`groups` (a saved optimizer's settings, or a schedule's values a group) for `n` groups:
+    as they are, or one setting shared by every saved group repeated (a checkpoint of one group
+    resumed where DTensors and plain tensors are two, or the other way)."""
+    if len(groups) == n:
+        return list(groups)
+    if groups and all(g == groups[0] for g in groups):
+        return [groups[0]] * n
+    raise ValueError(f"the saved optimizer has {len(groups)} parameter groups, this one {n}")
+
+
+def load_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
+    """`scheduler.load_state_dict(state)`, its values a group fitted to the optimizer's groups
+    (`regrouped`)."""
+    n = len(scheduler.optimizer.param_groups)
+    state = {k: regrouped(v, n) if k in ("base_lrs", "_last_lr") else v for k, v in state.items()}
+    scheduler.load_state_dict(state)
+
+
 def set_state(optimizer: torch.optim.Optimizer, state: dict, groups: list[dict]) -> None:
     """Give `optimizer` this state (parameter -> {key: tensor}) and these group settings, placed
     on the devices its own policy wants (a fused AdamW's step on the device), as
     load_state_dict would place a saved state."""
-    if len(groups) != len(optimizer.param_groups):
-        mine = len(optimizer.param_groups)
-        raise ValueError(f"the saved optimizer has {len(groups)} parameter groups, this one {mine}")
+    groups = regrouped(groups, len(optimizer.param_groups))
     index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     optimizer.load_state_dict(
         {

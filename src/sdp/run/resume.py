@@ -21,6 +21,7 @@ import torch
 
 from sdp import dist
 from sdp.errors import ConfigError
+from sdp.optim import load_schedule
 from sdp.parallel import PortableState
 from sdp.paths import DamagedFile, read_yaml_mapping
 from sdp.run.checkpoint import FORMAT, Checkpoint, complete_checkpoints, file_digest
@@ -272,7 +273,7 @@ def load_checkpoint(
             f"checkpoint {ckpt.path} does not fit this run's model: {' '.join(str(err).split())[:400]} (a run "
             "resumes only with the model it was checkpointed with)"
         ) from err
-    scheduler.load_state_dict(parts[0]["scheduler"])
+    load_schedule(scheduler, parts[0]["scheduler"])
     same = ckpt.meta["world_size"] == world.world_size
     momentum = {n: t for part in parts for n, t in part["outer"]["momentum"].items()} if "outer" in parts[0] else None
     window = parts[world.rank]["outer"]["window"] if same and momentum is not None else None
