@@ -41,10 +41,7 @@ from sdp import dist
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.launches import LaunchCounter, is_dense
 from sdp.optim import build_optimizer
-from sdp.outer import is_outer
-from sdp.outer.loop import OuterLoop
-from sdp.outer.view import view_of
-from sdp.planning.estimator import dummy_batch
+from sdp.planning.estimator import dummy_batch, outer_loop
 from sdp.planning.ranks import busiest_rank
 from sdp.run.build import build_strategy
 from sdp.run.config import load_config
@@ -148,7 +145,7 @@ class Rank:
         self.optimizer = build_optimizer(self.strategy.trainable(), cfg.optim, device=cuda, default_foreach=True)
         fused = skips_on_device(self.optimizer)
         self.guard = NonFiniteGuard("stop", max_skips=0, device=self.device) if fused else None
-        self.outer = _outer(cfg, self.strategy, comm=comm, device=self.device)
+        self.outer = outer_loop(cfg, self.strategy, comm=comm, device=self.device)
         self.batches = itertools.repeat(dummy_batch(cfg, self.micro))
         self.strategy.model.train()
 
@@ -217,17 +214,6 @@ def measure(cfg, *, world_size: int, rank: int, steps: int) -> dict:
             me.guard.report()
     gc.collect()
     return out
-
-
-def _outer(cfg, strategy, *, comm: CommCounter, device: torch.device) -> OuterLoop | None:
-    """outer=diloco's loop over the strategy, started, as the runner builds it; None without one."""
-    if not is_outer(cfg.outer):
-        return None
-    cap = cfg.parallelism.bucket_cap_mb
-    view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=cap)
-    outer = OuterLoop(cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=cap)
-    outer.start()
-    return outer
 
 
 def config(model: str, variant: str, *, world_size: int):

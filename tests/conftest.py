@@ -109,6 +109,16 @@ def _tiny_model_cfg(family: str):
     return typed_config([f"model={model}", f"dataset={dataset}"]).model
 
 
+def script(name: str):
+    """The module of scripts/NAME.py, loaded as the test's own (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_harness(scenario: str, nproc: int, out: Path) -> dict:
     """Run one scenario of tests/dist_harness.py on `nproc` forked ranks; returns what rank 0 wrote to `out`."""
     proc = run_ranks("dist_harness:main", [scenario, str(out)], nproc=nproc, cwd=out.parent, env=job_env(), timeout=900)

@@ -1,11 +1,9 @@
 """The launch counter: what a GPU pays for per op (sdp.metrics.launches), and the overhead
 benchmark that reports it (scripts/bench_overhead.py)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import script
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sdp.metrics.launches import LaunchCounter, is_dense
@@ -82,11 +80,7 @@ def test_fake_tensors_count_as_real_ones():
 
 
 def _bench():
-    path = Path(__file__).parents[1] / "scripts" / "bench_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("bench_overhead")
 
 
 def _row(variant, forward, backward, sync, **extra):

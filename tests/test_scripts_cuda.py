@@ -2,19 +2,14 @@
 fake process group (what the H200 run measures at scale)."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 
 
 def _script():
-    path = Path(__file__).parents[1] / "scripts" / "cuda_overlap_check.py"
-    spec = importlib.util.spec_from_file_location("cuda_overlap_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("cuda_overlap_check")
 
 
 def test_the_overhead_part_times_serial_and_overlapped_steps_on_the_cpu():
@@ -33,11 +28,8 @@ def test_the_gpu_speed_check_rehearses_on_the_cpu(tmp_path):
     # --smoke: the tiny LLaMA on CPU, DDP eager and compiled (inductor) and N-SDP forward eager, 2
     # steps each, each in a process of its own, as the H200 run would measure them (a fake process
     # group, the fused optimizer, the device-side guard), beside the estimate and the modelled step.
-    path = Path(__file__).parents[1] / "scripts" / "gpu_speed_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_speed_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
+    gpu = script("gpu_speed_check")
+    assert gpu.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = __import__("json").loads((tmp_path / "gpu_speed_cpu.json").read_text())["rows"]
     assert [(r["variant"], r["compile"]) for r in rows] == [("DDP", False), ("DDP", True), ("N-SDP forward", False)]
     assert all(r["measured"]["tokens_per_s"] > 0 and r["measured"]["mfu"] is None for r in rows)
@@ -49,10 +41,7 @@ def test_the_gpu_speed_check_rehearses_on_the_cpu(tmp_path):
 def test_the_step_model_check_fits_on_ddp_and_predicts_the_rest(tmp_path):
     # Made-up measurements of the tiny LLaMA (the rows the GPU script writes): the fit reads only
     # DDP's, and every row gets its modelled step and ratio.
-    path = Path(__file__).parents[1] / "scripts" / "step_model_check.py"
-    spec = importlib.util.spec_from_file_location("step_model_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    check = script("step_model_check")
     phases = {"data": 0.0, "forward": 0.002, "backward": 0.004, "sync": 0.0005, "optimizer": 0.0005}
     rows = [
         {
@@ -66,7 +55,7 @@ def test_the_step_model_check_fits_on_ddp_and_predicts_the_rest(tmp_path):
     ]
     measured = tmp_path / "gpu_speed_test.json"
     measured.write_text(__import__("json").dumps({"device": "test", "rows": rows}))
-    got = script.run(
+    got = check.run(
         argparse.Namespace(
             measured=measured, cluster="h200_nvlink", world_size=2, out=tmp_path, smoke=True, argv=[], traced_with="x"
         )

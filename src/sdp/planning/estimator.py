@@ -246,7 +246,7 @@ class _Run:
         with _one_line(cfg, rank=rank, world_size=world_size):
             self.strategy = self._build(cfg)
             with self.fake:
-                self.outer = _outer_loop(cfg, self.strategy, comm=self.comm, device=self.device)
+                self.outer = outer_loop(cfg, self.strategy, comm=self.comm, device=self.device)
                 on = torch.device(target)
                 self.optimizer = build_optimizer(
                     self.strategy.trainable(), cfg.optim, device=on, default_foreach=on.type == "cuda"
@@ -416,7 +416,7 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
     }
 
 
-def _outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.device) -> OuterLoop | None:
+def outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.device) -> OuterLoop | None:
     """outer=diloco's loop over the traced strategy, started (theta_prev and the momentum made), as
     the run builds it; None without one."""
     if not is_outer(cfg.outer):
