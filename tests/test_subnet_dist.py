@@ -131,11 +131,16 @@ BEFORE = json.loads((Path(__file__).parent / "data" / "bits_k4.json").read_text(
 # last unit (position 343 of layer 3's MLP) now joins the contiguous run before it: its weight
 # gradient comes out of that run's matrix product instead of a product of its own (a GEMV), a
 # different summation order. The losses of the three steps are the same bits; layer 3's MLP
-# weights after the third step differ in their last bits (docs/sdp.md, "Held runs").
+# weights after the third step differ in their last bits (docs/sdp.md, "Held layout").
 ROUNDING_MOVED = {"llama-backward-neuron-resample_every=2"}
+# bf16 matrix products round as the CPU's oneDNN kernels do (AMX or AVX-512 bf16 here; with
+# ONEDNN_MAX_CPU_ISA=AVX2_VNNI the bf16 case's 39 tensors differ from the file, an fp32 case's do
+# not): their bits hold only on the machine the file was made on. They stay covered by
+# overlapped against serial, bit for bit, on any machine (above).
+MACHINE_BITS = {case for case in OVERLAP_CASES if "autocast=bfloat16" in case}
 
 
-@pytest.mark.parametrize("case", OVERLAP_CASES)
+@pytest.mark.parametrize("case", [c for c in OVERLAP_CASES if c not in MACHINE_BITS])
 def test_every_variant_trains_as_the_code_before_the_held_layout_bit_for_bit(holders, case):
     # K = 4, C = 0.5, 3 steps with clipping (the overlapped runs above): every rank's losses,
     # every plain parameter and every unit's optimizer state, against the code before.

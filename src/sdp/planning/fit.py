@@ -186,7 +186,7 @@ def step_at(
         one = layered_estimate(single, world_size=world, rank=rank, cluster=cluster, trace=trace, spread=spread).step
         return extend_steps(one, step, found.accum - 1)
     per_micro = step["micro_step_s"]  # a micro-step past the traced ones (sdp.planning.step_time)
-    keys = ("compute_s", "micro_steps_s", "step_serial_s", "step_overlapped_s")
+    keys = ("compute_s", "step_serial_s", "step_overlapped_s")
     return {**step, **{k: step[k] + (found.accum - short) * per_micro for k in keys}}
 
 

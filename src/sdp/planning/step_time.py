@@ -198,8 +198,7 @@ class Compute:
     memory_s: float  # their bytes at the memory bandwidth (0: not charged)
     device_s: float  # each op's larger of the two, summed
     optimizer_s: float  # the clock's time in the optimizer phase
-    micro_s: float  # the clock's time in the data, forward and backward phases: the micro-steps'
-    micro_steps: list[float]  # each micro-step's (its forward's and backward's, in order)
+    micro_steps: list[float]  # each micro-step's time (its data, forward and backward phases), in order
 
     @property
     def host_wait_s(self) -> float:
@@ -254,7 +253,6 @@ def compute_clock(
         memory_s=float(m.sum()),
         device_s=float(d.sum()),
         optimizer_s=float(spent[optimizer].sum()),
-        micro_s=float(spent[micro].sum()),
         micro_steps=micro_steps,
     )
 
@@ -345,7 +343,6 @@ def step_times(est: Estimate, cluster: Cluster) -> dict:
         "step_serial_s": serial.step_s,
         "step_overlapped_s": over.step_s,
         "exposed_by_kind_s": over.by_kind,
-        "micro_steps_s": compute.micro_s,
         # A micro-step that neither waits for the weight refresh (the first) nor packs gradient
         # buckets (the last): the cheapest traced one, what each added accumulation step costs.
         "micro_step_s": min(compute.micro_steps, default=0.0),

@@ -371,7 +371,7 @@ class GradSync:
         """L2 norm of the whole model's averaged gradient: each piece counted once (by its first
         holder), in float64; one multi-tensor norm over this rank's pieces, then one all-reduce."""
         device = local(self.entries[0].piece.tensor).device
-        owned = [e.piece.wire(local(e.piece.tensor.grad)).reshape(-1) for e in self.entries if e.holders[0] == rank]
+        owned = [e.piece.wire(local(e.piece.tensor.grad)) for e in self.entries if e.holders[0] == rank]
         if owned:
             norms = torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float64))
             total = norms.dot(norms)
