@@ -119,9 +119,18 @@ def script(name: str):
     return module
 
 
-def run_harness(scenario: str, nproc: int, out: Path) -> dict:
-    """Run one scenario of tests/dist_harness.py on `nproc` forked ranks; returns what rank 0 wrote to `out`."""
-    proc = run_ranks("dist_harness:main", [scenario, str(out)], nproc=nproc, cwd=out.parent, env=job_env(), timeout=900)
+# CPU kernels that round the same on any x86-64 CPU with AVX2: MKL's reproducible AVX2 path
+# and oneDNN's AVX2 kernels. Bits compared with a file (tests/data/bits_k4.json) are made and
+# checked under them; a CPU's own kernels (AVX-512, AMX) sum in other orders.
+PINNED_KERNELS = {"MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def run_harness(scenario: str, nproc: int, out: Path, **env: str) -> dict:
+    """Run one scenario of tests/dist_harness.py on `nproc` forked ranks (`env` added to theirs);
+    returns what rank 0 wrote to `out`."""
+    proc = run_ranks(
+        "dist_harness:main", [scenario, str(out)], nproc=nproc, cwd=out.parent, env=job_env(**env), timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -50,18 +50,22 @@ class Piece:
 
 
 def gather_flat(views: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The values of `views` one after another in a new flat buffer: one copy kernel (a view
-    that is not contiguous is copied on its own first)."""
-    return torch.cat([v.reshape(-1) for v in views])
-
-
-def scatter_flat(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive runs of `flat` into `views` (the inverse of `gather_flat`)."""
-    srcs, offset = [], 0
-    for v in views:
-        srcs.append(flat.narrow(0, offset, v.numel()))
-        offset += v.numel()
-    copy_pairs(views, srcs)
+    """The values of `views` one after another in a new flat buffer: one copy kernel when every
+    view is contiguous. Strided views (cut columns in an FSDP shard, which keeps rows outermost)
+    are not copied one by one: each run of consecutive views of one shape past their first
+    dimension is one concatenation, which reads them in place, into its part of the buffer.
+    The values only: no autograd history (a weight sent by a broadcast)."""
+    views = [v.detach().reshape(1) if v.dim() == 0 else v.detach() for v in views]
+    if all(v.is_contiguous() for v in views):
+        return torch.cat([v.view(-1) for v in views])
+    flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+    offset = 0
+    for _, run in itertools.groupby(views, key=lambda v: tuple(v.shape[1:])):
+        run = list(run)
+        n = sum(v.numel() for v in run)
+        torch.cat(run, out=flat.narrow(0, offset, n).view(-1, *run[0].shape[1:]))
+        offset += n
+    return flat
 
 
 def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -76,6 +80,62 @@ def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
             d.copy_(src.view(d.shape))
     if fast_d:
         torch._foreach_copy_(fast_d, fast_s)
+
+
+def tiled(pieces: Sequence[Piece], t: torch.Tensor) -> bool:
+    """Whether `pieces` (of one tensor, sorted by start) cover `t` end to end along one dimension."""
+    dim, end = pieces[0].dim, 0
+    for piece in pieces:
+        end = end + piece.length if piece.dim == dim and piece.start == end else -1
+    return dim is not None and end == t.shape[dim]
+
+
+def by_tensor(items: Sequence, piece: Callable = lambda item: item) -> list[list]:
+    """`items` grouped by their piece's tensor (first seen, first), each group by start."""
+    groups: dict[int, list] = {}
+    for item in items:
+        groups.setdefault(id(piece(item).tensor), []).append(item)
+    return [sorted(group, key=lambda item: piece(item).start) for group in groups.values()]
+
+
+def write_strided(pending: Sequence[tuple[Piece, torch.Tensor]]) -> None:
+    """Write each flat average into its piece of `.grad` where that view is strided (a cut
+    column of an FSDP shard). A gradient whose pieces here tile it is written whole by one
+    concatenation of them, into its storage; any other piece is copied on its own."""
+    for items in by_tensor(pending, piece=lambda item: item[0]):
+        pieces = [piece for piece, _ in items]
+        grad = local(pieces[0].tensor.grad)
+        if grad.is_contiguous() and tiled(pieces, grad):
+            dim = pieces[0].dim
+            torch.cat([src.view(p.wire(grad).shape).movedim(0, dim) for p, src in items], dim=dim, out=grad)
+            continue
+        for piece, src in items:
+            dst = piece.wire(grad)
+            dst.copy_(src.view(dst.shape))
+
+
+def norm_views(pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    """Dense tensors whose norms, squared and summed, are the squared norm of the gradients of
+    `pieces`: a contiguous piece as it is; a strided tensor's pieces (cut columns of an FSDP
+    shard) its whole gradient where they tile it, else copied into one buffer with the other
+    such pieces (`gather_flat`: a concatenation a run of one shape)."""
+    dense, strided = [], []
+    for piece in pieces:
+        view = piece.wire(local(piece.tensor.grad))
+        if view.is_contiguous():
+            dense.append(view)
+        else:
+            strided.append(piece)
+    rest = []
+    for group in by_tensor(strided):
+        grad = local(group[0].tensor.grad)
+        if tiled(group, grad):
+            dense.append(grad)
+        else:
+            rest.extend(piece.wire(grad) for piece in group)
+    if rest:
+        dense.append(gather_flat(sorted(rest, key=lambda v: tuple(v.shape[1:]))))
+    return dense
 
 
 @dataclass(frozen=True)
@@ -272,6 +332,7 @@ class GradSync:
         self._unpacked = {t: len(slots) for t, slots in self._slots.items()}  # pieces not packed, by tensor
         self._hooked: set[int] = set()
         self._next = 0  # the next bucket to launch, in this rank's launch order
+        self._strided: list[tuple[Piece, torch.Tensor]] = []  # averages bound for strided gradient views
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -335,7 +396,7 @@ class GradSync:
 
     def _write_back(self, i: int) -> None:
         """Wait for bucket i's all-reduce, divide by the holders and put the averages into `.grad`
-        (one multi-tensor copy: `scatter_flat`)."""
+        (one multi-tensor copy over the dense views: `copy_pairs`; strided ones at the end: `write_strided`)."""
         b, flat = self.buckets[i], self._flats[i]
         self._works[i].wait()
         self.comm.need(self._events[i])
@@ -344,11 +405,18 @@ class GradSync:
             self._flats[i] = None
             return
         with allocating("grads"):
-            for e in b.entries:
+            dsts, srcs = [], []
+            for e, offset in zip(b.entries, b.offsets, strict=True):
                 p = e.piece.tensor
                 if p.grad is None:  # moved into the buckets
                     p.grad = torch.empty_like(p)
-            scatter_flat(flat, [e.piece.wire(local(e.piece.tensor.grad)) for e in b.entries])
+                dst, src = e.piece.wire(local(p.grad)), flat.narrow(0, offset, _local_numel(e.piece))
+                if dst.is_contiguous():
+                    dsts.append(dst.view(-1))
+                    srcs.append(src)
+                else:  # written once the step's buckets are in, a tensor at a time
+                    self._strided.append((e.piece, src))
+            copy_pairs(dsts, srcs)
         self._flats[i] = None
 
     def __call__(self) -> None:
@@ -365,13 +433,15 @@ class GradSync:
                 self._pack(i)
                 self._launch(i)
                 self._write_back(i)
+        write_strided(self._strided)
         self._reset()
 
     def global_norm(self, *, rank: int) -> torch.Tensor:
         """L2 norm of the whole model's averaged gradient: each piece counted once (by its first
-        holder), in float64; one multi-tensor norm over this rank's pieces, then one all-reduce."""
+        holder), in float64; one multi-tensor norm over this rank's pieces (`norm_views`), then
+        one all-reduce."""
         device = local(self.entries[0].piece.tensor).device
-        owned = [e.piece.wire(local(e.piece.tensor.grad)) for e in self.entries if e.holders[0] == rank]
+        owned = norm_views([e.piece for e in self.entries if e.holders[0] == rank])
         if owned:
             norms = torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float64))
             total = norms.dot(norms)
