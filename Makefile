@@ -93,6 +93,9 @@ plans: setup
 	$(LOWCOMM_PLAN) cluster=h100_nvlink out=results/plan/lowcomm_h100_nvlink
 	$(LOWCOMM_PLAN) cluster=h100_eth1g nodes=2 out=results/plan/lowcomm_h100_eth1g
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --sample 3
+	$(PY) -m sdp.plan experiment=replica_fmnist devices=4x24 cluster=cpu_2core top=all out=results/plan/replica_fmnist_speed
+	$(PY) -m sdp.plan experiment=replica_fmnist devices=4x24 cluster=cpu_2core top=all out=results/plan/replica_fmnist_target \
+		objective=time_to_target quality=results/cpu_replica/resnet_tiny_fashion_mnist.csv
 
 plan-check: setup  # every row of the three llama_1b plans against whole traces (~6 + 10 + 30 min here)
 	$(PY) scripts/plan_check.py results/plan/nvlink/plan.json --out results/plan/nvlink/check.json

@@ -44,7 +44,42 @@ GLOO = "parallelism.comm_group_overhead_mb=0"  # gloo's process groups take no d
             "error: parallelism.mixed_precision='bf16': is the planner's to choose; narrow it with precision=",
         ),
         (["devices=4x80"], "error: cluster=None: is required for objective=speed (the step time); or objective=memory"),
-        (["devices=4x80", "cluster=h100_nvlink", "objective=fast"], "error: objective='fast': allowed: speed, memory"),
+        (
+            ["devices=4x80", "cluster=h100_nvlink", "objective=fast"],
+            "error: objective='fast': allowed: speed, memory, time_to_target",
+        ),
+        (
+            ["devices=4x80", "cluster=h100_nvlink", "objective=time_to_target"],
+            "error: quality=None: is required for objective=time_to_target: a pilot sweep's collect CSV or "
+            "folder of run dirs",
+        ),
+        (
+            ["devices=4x80", "cluster=h100_nvlink", "quality=pilot.csv"],
+            "error: quality='pilot.csv': is read with objective=time_to_target only",
+        ),
+        (
+            ["devices=4x80", "objective=time_to_target", "quality=pilot.csv"],
+            "error: cluster=None: is required for objective=time_to_target (the step time); or objective=memory",
+        ),
+        (
+            ["devices=4x80", "cluster=h100_nvlink", "objective=time_to_target", "quality=/nonexistent"],
+            "error: quality='/nonexistent': is neither a collect CSV nor a folder of run dirs",
+        ),
+        (
+            ["devices=4x80", "cluster=h100_nvlink", "objective=time_to_target", "quality=results/cpu_replica"],
+            "error: quality='results/cpu_replica': holds 2 tables (llama_tiny_local_text, resnet_tiny_fashion_mnist): "
+            "give one table's runs",
+        ),
+        (
+            [
+                "devices=4x80",
+                "cluster=h100_nvlink",
+                "objective=time_to_target",
+                "quality=results/cpu_replica/resnet_tiny_fashion_mnist.csv",
+            ],
+            "error: quality='results/cpu_replica/resnet_tiny_fashion_mnist.csv': is a pilot on image data; "
+            "this plan's is text",
+        ),
         (
             ["devices=4x80", "cluster=h100_ib", "nodes=3"],
             "error: nodes=3: must divide world_size=4 (the same ranks on every node); allowed: [1, 2, 4]",
@@ -199,7 +234,7 @@ def test_only_a_top_row_close_to_full_is_traced_whole(monkeypatch, capsys):
         return dataclasses.replace(top, fits=False, method="traced whole (verified)", peaks_bytes={0: 81 * 2**30})
 
     monkeypatch.setattr(plan, "verify", verify)
-    args = SimpleNamespace(objective="speed", devices=[80.0])
+    args = SimpleNamespace(objective="speed", devices=[80.0], ranking=None)
     roomy = [row("ddp", 0.5, 1.0), row("fsdp", 0.01, 2.0)]
     assert [r.run for r in plan.verified(roomy, lambda s: None, args)] == ["DDP", "FSDP"]
     close = [row("ddp", 0.025, 1.0), row("fsdp", 0.5, 2.0)]

@@ -1,8 +1,9 @@
 """`python -m sdp.plan` (and `sdp-plan`): from "these are my GPUs" to the command that fits and runs fastest.
 
     python -m sdp.plan [group=option ...] [key=value ...] devices=8x80|[80,...,24]|4x80+4x24
-                       [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]] [objective=speed|memory]
-                       [min_coverage=0.3] [coverages=grid|all] [granularity=neuron,block]
+                       [cluster=NAME [nodes=N] [cluster.KEY=VALUE ...]]
+                       [objective=speed|memory|time_to_target [quality=PILOT]] [min_coverage=0.3]
+                       [coverages=grid|all] [granularity=neuron,block]
                        [precision=fp32,bf16] [checkpointing=none,selective,full] [top=20|all]
                        [workers=2] [world_size=K] [out=DIR] [cache=DIR|off]
 
@@ -20,7 +21,7 @@ import sys
 from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
 from sdp.planning.options import MIN_COVERAGE
-from sdp.planning.planner import header, make_plan, nothing_fits, prepare, save, space_of
+from sdp.planning.planner import header, make_plan, nothing_fits, pilot_line, prepare, save, space_of
 from sdp.planning.traces import default_dir
 
 USAGE = Usage(
@@ -34,7 +35,9 @@ USAGE = Usage(
         ("cluster=NAME", "the step-time model, conf/cluster/NAME.yaml: h100_nvlink, h100_ib, h100_eth10g, ..."),
         ("nodes=N", "with cluster=: the nodes the GPUs are on"),
         ("cluster.KEY=VALUE", "with cluster=: override a field of the cluster"),
-        ("objective=speed", "speed (needs cluster=): the most tokens or samples per second; memory: the lowest peak"),
+        ("objective=speed", "speed (needs cluster=): the most tokens or samples per second; memory: the lowest peak;"),
+        ("", "time_to_target (needs cluster= and quality=): the least time to a pilot's target quality"),
+        ("quality=PILOT", "objective=time_to_target's pilot sweep: a collect CSV, or a folder of one table's run dirs"),
         (f"min_coverage={MIN_COVERAGE}", "the lowest SDP coverage searched, in (0, 1]"),
         ("coverages=grid", "grid: 0.75, 0.5, 0.25, 0.125; all: every r / K"),
         ("granularity=...", "neuron,block (a LLaMA's default: neuron)"),
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     space = space_of(args, plain)
     say(header(args, plain, len(space)))
+    say(pilot_line(args))
     plan = make_plan(args, composer, plain, space, say=say)
     say(plan.summary())
     say(plan.traces_line())

@@ -142,6 +142,7 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             row["steps"] = sums[0].steps
             row["inner_width"] = sums[0].inner_width
             row["lr"] = (json.loads(config).get("optim") or {}).get("lr")
+            row.update(pilot_columns(json.loads(config), sums[0], kinds[table]))
             if kinds[table] == "image":
                 row["eval_acc"], row["eval_acc_std"] = _mean_std([s.eval_acc for s in sums])
             row["eval_loss"], row["eval_loss_std"] = _mean_std([s.eval_loss for s in sums])
@@ -177,6 +178,26 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
         tables[table]["convergence"] = convergence(ddp, kinds[table]) if ddp else None
         tables[table]["not_converged"] = [r["variant"] for r in rows if not r["converged"]]
     return tables
+
+
+def pilot_columns(config: dict, s: Summary, kind: str) -> dict:
+    """What a row ran, as columns: a planner that reads the table as a pilot sweep
+    (`sdp.plan objective=time_to_target quality=`) matches its variants and checks its scale."""
+    masking, outer = config.get("masking") or {}, config.get("outer") or {}
+    mode = masking.get("name", s.masking)
+    looped = outer.get("name") not in (None, "none")
+    return {
+        "model": s.model,
+        "kind": kind,
+        "world_size": s.world_size,
+        "global_batch": (config.get("trainer") or {}).get("global_batch_size"),
+        "seq_len": (config.get("dataset") or {}).get("seq_len") if kind == "text" else None,
+        "precision": s.mixed_precision,
+        "masking": mode,
+        "granularity": masking.get("granularity") if mode in ("backward", "forward") else None,
+        "outer": outer["name"] if looped else None,
+        "sync_every": outer.get("sync_every") if looped else None,
+    }
 
 
 def gates(members: list[tuple[Path, Summary]], kind: str) -> dict:
@@ -330,6 +351,18 @@ CSV_KEYS = [
     "target_steps",
     "target_samples",
     "target_mib",
+    # What the row ran (`pilot_columns`).
+    "model",
+    "kind",
+    "inner_width",
+    "world_size",
+    "global_batch",
+    "seq_len",
+    "precision",
+    "masking",
+    "granularity",
+    "outer",
+    "sync_every",
 ]
 
 

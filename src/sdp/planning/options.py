@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdp.errors import ConfigError
 from sdp.paths import check_writable
@@ -19,6 +20,9 @@ from sdp.planning.space import CHECKPOINTING, PRECISIONS, parse_devices
 from sdp.planning.step_time import Cluster, load_cluster, place
 from sdp.planning.traces import default_dir
 
+if TYPE_CHECKING:
+    from sdp.planning.quality import TargetRanking
+
 MAX_RANKS = 65536  # more than any cluster the step-time model describes
 RANK_CHOICES = ("busiest", "all")
 MIN_COVERAGE = 0.3  # the default: below it quality fell in our replica tables (claims.md, claim 4a)
@@ -26,7 +30,7 @@ MACHINE = ("cluster", "nodes")  # with cluster.KEY=VALUE, the machine's keys in 
 ESTIMATE_KEYS = ("world_size", "rank", "out", *MACHINE)
 PLAN_KEYS = (
     "devices", "objective", "min_coverage", "coverages", "granularity", "precision", "checkpointing",
-    "top", "workers", "world_size", "out", "sync_every", "cache", *MACHINE,
+    "top", "workers", "world_size", "out", "sync_every", "cache", "quality", *MACHINE,
 )  # fmt: skip
 CHOSEN = {  # what the planner chooses, refused on its command line, and the planner's key that narrows it
     "masking": "min_coverage=, coverages=, granularity=",
@@ -165,6 +169,8 @@ class PlanArgs:
     workers: int
     out: Path | None
     cache: Path | None  # where traces are kept between calls (None: cache=off)
+    quality: Path | None = None  # objective=time_to_target's pilot sweep (sdp.planning.quality)
+    ranking: TargetRanking | None = None  # its ranking, once the pilot is read (`sdp.planning.planner.prepare`)
 
 
 def parse_plan(argv: list[str]) -> PlanArgs:
@@ -181,8 +187,14 @@ def parse_plan(argv: list[str]) -> PlanArgs:
     objective = own.get("objective", "speed")
     if objective not in OBJECTIVES:
         raise ConfigError("objective", objective, f"allowed: {', '.join(OBJECTIVES)}")
-    if objective == "speed" and cluster is None:
-        raise ConfigError("cluster", None, "is required for objective=speed (the step time); or objective=memory")
+    if objective in ("speed", "time_to_target") and cluster is None:
+        why = f"is required for objective={objective} (the step time); or objective=memory"
+        raise ConfigError("cluster", None, why)
+    if (objective == "time_to_target") != ("quality" in own):
+        if "quality" in own:
+            raise ConfigError("quality", own["quality"], "is read with objective=time_to_target only")
+        why = "is required for objective=time_to_target: a pilot sweep's collect CSV or folder of run dirs"
+        raise ConfigError("quality", None, why)
     if own.get("coverages", "grid") not in ("grid", "all"):
         raise ConfigError("coverages", own["coverages"], "allowed: grid (0.75, 0.5, 0.25, 0.125), all (every r / K)")
     top = own.get("top", "20")
@@ -203,6 +215,7 @@ def parse_plan(argv: list[str]) -> PlanArgs:
         integer("workers", own.get("workers", str(min(2, os.cpu_count() or 1))), 1, 64),
         Path(own["out"]) if "out" in own else None,
         _cache(own.get("cache")),
+        Path(own["quality"]) if "quality" in own else None,
     )
 
 

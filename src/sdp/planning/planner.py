@@ -23,6 +23,7 @@ from sdp.planning.checks import CheckCache
 from sdp.planning.fit import GIB
 from sdp.planning.layered import extends
 from sdp.planning.options import PlanArgs, parse_plan
+from sdp.planning.quality import NO_PILOT, target_ranking
 from sdp.planning.report import format_rows, nearest_miss, plot, ranked, row, sources, write_json
 from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Composer, Outcome, search, verify
@@ -75,6 +76,9 @@ def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
         raise ConfigError("sync_every", ",".join(map(str, args.sync_every)), "needs outer=diloco: the H it searches")
     else:
         args = dataclasses.replace(args, sync_every=())
+    if args.quality is not None:
+        ranking = target_ranking(args.quality, plain, world=len(args.devices), outer=outer.outer.name)
+        args = dataclasses.replace(args, ranking=ranking)
     if args.out is not None:
         check_writable("out", args.out)
     return args, composer, plain
@@ -139,7 +143,7 @@ def verified(
     (docs/plan.md), so only a row that close to full could be wrong about fitting. A top row
     that then does not fit leaves the top, up to VERIFIED times."""
     for _ in range(VERIFIED):
-        best = ranked(rows, objective=args.objective)
+        best = ranked(rows, objective=args.objective, by_target=args.ranking)
         if not best or best[0].method.startswith("traced") or best[0].headroom >= CLOSE:
             return best
         top = best[0]
@@ -150,7 +154,7 @@ def verified(
             f"top row traced whole: {checked.run}, peak {checked.peak_gib:.3g} GiB (the line's "
             f"{line:.3g}){'' if checked.fits else ': it does not fit, next'}"
         )
-    return ranked(rows, objective=args.objective)
+    return ranked(rows, objective=args.objective, by_target=args.ranking)
 
 
 def run_facts(args: PlanArgs, cfg: RunConfig) -> RunFacts:
@@ -174,6 +178,11 @@ def header(args: PlanArgs, cfg: RunConfig, n: int) -> str:
         f"plan: model={cfg.model.name}, global batch {cfg.trainer.global_batch_size}{seq}, on "
         f"{describe_devices(args.devices)} ({machine}); objective {args.objective}; {n} structures"
     )
+
+
+def pilot_line(args: PlanArgs) -> str:
+    """What the ranking stands on: the pilot (its target and scale), or how to give one."""
+    return NO_PILOT if args.ranking is None else args.ranking.line()
 
 
 def progress_line(outcome: Outcome, done: int, total: int) -> None:

@@ -10,6 +10,7 @@ capacities have no replica table). Every claim cited comes from the converged re
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from sdp.planning.fit import GIB
@@ -38,7 +39,7 @@ def sources() -> str:
     return "; ".join(f"{', '.join(numbers)} from {report}" for report, numbers in by_report.items())
 
 
-OBJECTIVES = ("speed", "memory")
+OBJECTIVES = ("speed", "memory", "time_to_target")
 
 
 def caveat(s: Structure, *, protocol: str) -> str:
@@ -91,10 +92,13 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
     return out
 
 
-def ranked(rows: list[Row], *, objective: str) -> list[Row]:
+def ranked(rows: list[Row], *, objective: str, by_target: Callable[[list[Row]], list[Row]] | None = None) -> list[Row]:
     """The rows that fit, best first: the fastest step (speed), or the smallest share of its
     GPU on the busiest rank (memory), ties broken by the other, then by fewer local steps. For
-    speed, local steps must pay for themselves (`_local_steps_pay`)."""
+    speed, local steps must pay for themselves (`_local_steps_pay`). For time_to_target,
+    `by_target` ranks them (`sdp.planning.quality.to_target` with the pilot)."""
+    if objective == "time_to_target":
+        return by_target(rows)
     fitting = [r for r in rows if r.fits]
     if objective == "speed":
         return _local_steps_pay(sorted(fitting, key=lambda r: (_step(r), 1 - r.headroom)))
@@ -152,6 +156,8 @@ def format_rows(best: list[Row], *, unit: str, top: int) -> str:
             f"  {i:>3}  {r.run:<50} {r.micro_batch:>5} x {r.accum:<3}  {_peaks(r):<24} "
             f"{r.headroom:5.0%}  {step}  {rate}  {r.comm_bytes_per_step / MIB:13,.1f}  {r.caveat}"
         )
+        if r.to_target is not None:
+            lines.append(f"       to target: {r.to_target}")
         if r.step_terms is not None:
             lines.append(f"       step: {step_terms(r.step_terms)}")
         lines.append(f"       $ {r.command}")

@@ -65,6 +65,10 @@ class Row:
     # The step's compute terms (sdp.planning.step_time.step_terms): launches, seconds of the host
     # launching them, of FLOPs, of bytes, and of the device waiting for the host.
     step_terms: dict | None = None
+    # objective=time_to_target (sdp.planning.quality): the row's time to the pilot's target as the
+    # output reads it, and its value (seconds, or the ratio to DDP's at another scale; None: no pilot).
+    to_target: str | None = None
+    to_target_s: float | None = None
 
     @property
     def run(self) -> str:
@@ -122,6 +126,8 @@ class Row:
             out["step_terms"] = self.step_terms
         if self.line_peaks_bytes is not None:
             out["line_peaks_bytes"] = self.line_peaks_bytes
+        if self.to_target is not None:
+            out |= {"to_target": self.to_target, "to_target_value": self.to_target_s}
         return out
 
     @classmethod
@@ -149,6 +155,8 @@ class Row:
             per_s=data.get(f"{unit}_per_s"),
             line_peaks_bytes=ranks(data.get("line_peaks_bytes")),
             step_terms=data.get("step_terms"),
+            to_target=data.get("to_target"),
+            to_target_s=data.get("to_target_value"),
         )
 
 
