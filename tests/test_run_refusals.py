@@ -105,6 +105,15 @@ def test_collect_names_the_file_and_the_key_of_a_number_written_as_a_string(key,
         ("parallelism.backend=nccl", "parallelism.backend='nccl': needs CUDA, which this machine lacks"),
         ("parallelism.timeout_s=1e10", "parallelism.timeout_s=10000000000.0: must be in [10, 2147483] seconds"),
         ("parallelism.timeout_s=0.001", "parallelism.timeout_s=0.001: must be in [10, 2147483] seconds"),
+        (
+            "parallelism.bucket_cap_mb=1e20",
+            "parallelism.bucket_cap_mb=1e+20: must be at most 8.796e+12 MiB: its bytes must fit a 64-bit integer",
+        ),
+        (
+            "parallelism.comm_group_overhead_mb=9e12",
+            "parallelism.comm_group_overhead_mb=9000000000000.0: must be at most 8.796e+12 MiB: its bytes must fit a "
+            "64-bit integer",
+        ),
     ],
 )
 def test_the_launcher_refuses_what_its_process_group_cannot_do(override, says, tmp_path, capsys, monkeypatch):
@@ -117,6 +126,19 @@ def test_the_launcher_refuses_what_its_process_group_cannot_do(override, says, t
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {says}") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_inner_width_whose_heads_do_not_divide_the_hidden_size_names_the_widths_that_work(tmp_path, capsys):
+    # llama_tiny: 2 KV groups of 2 heads, hidden size 128. x 1.5 gives 6 heads, which transformers
+    # refuses (it used to surface as its own message about heads); 0.5, 1, 2, 4 and 8 work.
+    argv = ["--nproc-per-node=1", "model=llama_tiny", "dataset=synthetic_text", "model.inner_width=1.5"]
+    assert train.main([*argv, f"output_root={tmp_path}"]) == 2
+    assert capsys.readouterr().err == (
+        "error: model.inner_width=1.5: gives 6 attention heads (3 KV groups x 2), which must divide "
+        "model.hidden_size=128 (transformers' LlamaConfig requires it); the widths that work up to 8: "
+        "0.5, 1, 2, 4, 8\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -154,14 +154,33 @@ def llama_widths(cfg: LlamaConfig) -> dict:
             "num_key_value_heads": cfg.num_kv_heads,
         }
     kv = scaled(cfg.num_kv_heads, cfg, f"KV groups (model.num_kv_heads={cfg.num_kv_heads})")
+    ffn = scaled(cfg.intermediate_size, cfg, f"FFN units (model.intermediate_size={cfg.intermediate_size})")
+    per_group = cfg.num_heads // cfg.num_kv_heads
+    if cfg.hidden_size % (kv * per_group):
+        raise ConfigError(
+            INNER_WIDTH,
+            cfg.inner_width,
+            f"gives {kv * per_group} attention heads ({kv} KV groups x {per_group}), which must divide "
+            f"model.hidden_size={cfg.hidden_size} (transformers' LlamaConfig requires it); the widths that work "
+            f"up to 8: {', '.join(f'{w:g}' for w in llama_inner_widths(cfg))}",
+        )
     return {
-        "intermediate_size": scaled(
-            cfg.intermediate_size, cfg, f"FFN units (model.intermediate_size={cfg.intermediate_size})"
-        ),
-        "num_attention_heads": kv * (cfg.num_heads // cfg.num_kv_heads),
+        "intermediate_size": ffn,
+        "num_attention_heads": kv * per_group,
         "num_key_value_heads": kv,
         "head_dim": cfg.hidden_size // cfg.num_heads,
     }
+
+
+def llama_inner_widths(cfg: LlamaConfig, *, most: float = 8) -> list[float]:
+    """The model.inner_width values up to `most` that give the LLaMA whole KV groups and FFN
+    units and a head count that divides its hidden size."""
+    per_group, out = cfg.num_heads // cfg.num_kv_heads, []
+    for groups in range(1, int(most * cfg.num_kv_heads) + 1):
+        w = groups / cfg.num_kv_heads
+        if cfg.hidden_size % (groups * per_group) == 0 and (cfg.intermediate_size * groups) % cfg.num_kv_heads == 0:
+            out.append(w)
+    return out
 
 
 def resnet_stage_widths(cfg: ResNetConfig) -> list[int]:

@@ -86,6 +86,16 @@ TIMEOUT_RANGE_S = (10, (2**31 - 1) // 1000)
 MAX_COMM_GROUPS = 4096
 
 
+MAX_BYTES = 2**63 - 1  # what a 64-bit integer holds: torch and the estimator count bytes in them
+
+
+def mib_fits(key: str, mib: float) -> None:
+    """Refuse a size in MiB whose bytes a 64-bit integer does not hold."""
+    if int(mib * 2**20) > MAX_BYTES:
+        limit = MAX_BYTES / 2**20
+        raise ConfigError(key, mib, f"must be at most {limit:.4g} MiB: its bytes must fit a 64-bit integer")
+
+
 def validate_parallel(cfg: ParallelConfig) -> None:
     """The checks on parallelism.* alone. Those that depend on the masking (SDP x FSDP's
     fsdp_degree) are SDP's: `sdp.subnet.validate_sdp_x_fsdp`."""
@@ -95,6 +105,8 @@ def validate_parallel(cfg: ParallelConfig) -> None:
         raise ConfigError("parallelism.bucket_cap_mb", cfg.bucket_cap_mb, "must be > 0")
     if cfg.comm_group_overhead_mb < 0:
         raise ConfigError("parallelism.comm_group_overhead_mb", cfg.comm_group_overhead_mb, "must be >= 0")
+    for key in ("bucket_cap_mb", "comm_group_overhead_mb"):
+        mib_fits(f"parallelism.{key}", getattr(cfg, key))
     if not TIMEOUT_RANGE_S[0] <= cfg.timeout_s <= TIMEOUT_RANGE_S[1]:
         raise ConfigError(
             "parallelism.timeout_s",
