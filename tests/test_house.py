@@ -197,7 +197,8 @@ def test_a_long_function_is_found(tmp_path):
 
 def test_the_entrypoints_import_only_what_they_use():
     """`import sdp.train` loads neither torchvision (and torch._dynamo with it), transformers nor
-    timm: a run imports only what its model family and dataset use (each costs ~1 s a process).
+    timm: a run imports only what its model family and dataset use (each costs ~1 s a process);
+    nor FSDP and DTensor, which only parallelism=fsdp uses.
     `import sdp.plan` loads none of the tracing machinery either (the estimator, DTensor, the FLOP
     counter, sympy: about 0.9 s), which a plan that reads its traces back never uses."""
     import subprocess
@@ -205,9 +206,11 @@ def test_the_entrypoints_import_only_what_they_use():
 
     heavy = ("torchvision", "transformers", "timm", "torch._dynamo")
     tracing = ("sdp.planning.estimator", "torch.distributed.tensor", "torch.utils.flop_counter", "sympy")
+    # FSDP and DTensor (with distributed checkpointing) arrive with parallelism=fsdp only: 0.6 s.
+    fsdp = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
     probe = (
         f"import sys, sdp.plan; print([m for m in {heavy + tracing!r} if m in sys.modules]); "
-        f"import sdp.train; print([m for m in {heavy!r} if m in sys.modules])"
+        f"import sdp.train; print([m for m in {heavy + fsdp!r} if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "[]"]

@@ -20,15 +20,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.distributed.tensor import DTensor
 
 # The job's store, kept for the roll call after a collective fails (it outlives the group).
 _CONTROL: dist.Store | None = None
 
 
+def dtensor_type() -> type | None:
+    """torch's DTensor class, or None when torch.distributed.tensor was not imported (FSDP
+    imports it): then no tensor is one. Asking imports nothing; that module alone is a fifth of
+    `import sdp.train`'s time."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a DTensor's (FSDP's) local shard, or t itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import torch
 
+from sdp.dist import is_dtensor
 from sdp.errors import ConfigError
 from sdp.metrics.launches import is_dense
 
@@ -88,22 +88,16 @@ def is_fused(cfg: OptimConfig, device: torch.device | None) -> bool:
     )
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor (none is unless its module was imported, so this imports nothing)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def mixes_dtensors(tensors: list[torch.Tensor]) -> bool:
     """Whether `tensors` hold both DTensors and plain tensors."""
-    return len({_is_dtensor(t) for t in tensors}) == 2
+    return len({is_dtensor(t) for t in tensors}) == 2
 
 
 def by_kind(tensors: list[torch.Tensor]) -> list[dict]:
     """Parameter groups that torch's fused and foreach updates each take in one call: the DTensors,
     then the plain tensors (neuron SDP x FSDP of a ResNet or Swin trains FSDP's sharded weights
     beside the replicated biases and norms; one call refuses the mix)."""
-    return [{"params": [t for t in tensors if _is_dtensor(t)]}, {"params": [t for t in tensors if not _is_dtensor(t)]}]
+    return [{"params": [t for t in tensors if is_dtensor(t)]}, {"params": [t for t in tensors if not is_dtensor(t)]}]
 
 
 def _tensors(params) -> list[torch.Tensor]:

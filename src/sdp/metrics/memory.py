@@ -27,12 +27,11 @@ import contextlib
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sdp.dist import local
+from sdp.dist import dtensor_type, local
 
 PEAK_KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
 _ALLOCATING: list[str] = []  # kinds declared by `allocating`, innermost last
@@ -166,7 +165,7 @@ class LivePeak(TorchDispatchMode):
                 self._register(v, "optimizer", relabel=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
+        if (cls := dtensor_type()) is not None and cls in types:
             return NotImplemented  # let DTensor run its local ops, which come back through here
         out = func(*args, **(kwargs or {}))
         # The optimizer's scratch is temporary; the state it keeps is relabelled after its step.

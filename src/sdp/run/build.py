@@ -18,12 +18,10 @@ from sdp.parallel import Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.parallel.ddp import DDPStrategy
-from sdp.parallel.fsdp import FSDPStrategy
 from sdp.run.baselines import BASELINES, apply_unit_noise
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp
 from sdp.subnet.plan import SubnetPlan
-from sdp.subnet.sharded import ShardedSDPStrategy
 from sdp.subnet.strategy import SDPStrategy
 
 
@@ -91,6 +89,8 @@ def _wrapped(
             apply_unit_noise(model, family=cfg.model.family, kind=cfg.masking.name, keep=cfg.masking.coverage)
         checkpointing(model)
         if par.name == "fsdp":
+            from sdp.parallel.fsdp import FSDPStrategy  # noqa: PLC0415 (FSDP's imports: a third of sdp.train's)
+
             return FSDPStrategy(model, par, family=cfg.model.family, device=device, comm=comm)
         return ddp(model, par, device=device, comm=comm)
 
@@ -113,6 +113,8 @@ def _wrapped(
         plan=plan,
     )
     if par.name == "fsdp":  # SDP x FSDP: FSDP's policy casts, no autocast
+        from sdp.subnet.sharded import ShardedSDPStrategy  # noqa: PLC0415 (as FSDPStrategy)
+
         return ShardedSDPStrategy(build(cfg.model), cfg.masking, parallel=par, **common)
     autocast = torch.bfloat16 if par.mixed_precision == "bf16" else None
     local = is_outer(cfg.outer)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from sdp.dist import is_dtensor
 from sdp.metrics.comm import CommCounter
 from sdp.subnet import resolved_scale
 from sdp.subnet.apply import backward_buffer_sync, fold_eval_scaling, forward_assembly, named_tensors
@@ -36,7 +36,7 @@ def rank_space(transfers: list[Transfer], *, fsdp_degree: int) -> list[Transfer]
 def unsharded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The subnetwork's tensors by name, unsharded (SDP x FSDP: collective within the worker, its
     F ranks gather every shard in the same order)."""
-    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in named_tensors(model).items()}
+    return {n: t.full_tensor() if is_dtensor(t) else t for n, t in named_tensors(model).items()}
 
 
 class Assembler:

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from sdp.dist import local
+from sdp.dist import is_dtensor, local
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.memory import allocating
 from sdp.subnet.groups import HolderGroups
@@ -316,7 +315,7 @@ class GradSync:
         whole = {
             t
             for t, n in covered.items()
-            if t not in unsynced and not isinstance(self._tensors[t], DTensor) and n == self._tensors[t].numel()
+            if t not in unsynced and not is_dtensor(self._tensors[t]) and n == self._tensors[t].numel()
         }
         by_storage: dict[int, list[int]] = {}
         for t, tensor in self._tensors.items():
