@@ -139,7 +139,7 @@ def plan(tmp_path_factory):
     """A tiny plan on 2 CPU ranks of 40 MiB each: fp32, no or full checkpointing, neuron units."""
     out = tmp_path_factory.mktemp("plan")
     argv = [*TINY, GLOO, "devices=2x0.04", "cluster=cpu_2core", "precision=fp32", "checkpointing=none,full"]
-    argv.append("granularity=neuron")
+    argv += ["granularity=neuron", "workers=2"]
     # In a process of its own, as a user runs it: its families are fitted in 2 forked processes
     # (a fork after autograd has run, as in this pytest process, is refused by torch).
     proc = subprocess.run(

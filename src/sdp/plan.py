@@ -5,7 +5,7 @@
                        [objective=speed|memory|time_to_target [quality=PILOT]] [min_coverage=0.3]
                        [coverages=grid|all] [granularity=neuron,block]
                        [precision=fp32,bf16] [checkpointing=none,selective,full] [top=20|all]
-                       [workers=2] [world_size=K] [out=DIR] [cache=DIR|off]
+                       [workers=N] [world_size=K] [out=DIR] [cache=DIR|off]
 
 The run's own overrides (model, dataset, seq_len, global batch, optimizer ...) are kept; what the
 planner chooses (masking, parallelism, FSDP degree, activation checkpointing, precision, gradient
@@ -45,7 +45,7 @@ USAGE = Usage(
         ("checkpointing=none,selective,full", "the activation checkpointing searched"),
         ("sync_every=1,10,50,100", "with outer=diloco: the H searched (DDP and SDP rows also without it)"),
         ("top=20", "the rows printed (an integer, or all)"),
-        ("workers=2", "processes that trace in parallel"),
+        ("workers=N", "processes that trace in parallel (default: the CPUs this process may use, 1.2 GiB each)"),
         ("world_size=K", "optional: must equal the number of devices"),
         ("out=DIR", "also write DIR/plan.json and DIR/pareto.png"),
         ("cache=DIR|off", f"keep traces for the next call in DIR (default {default_dir()}); off: trace everything"),

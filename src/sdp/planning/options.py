@@ -8,13 +8,13 @@ a bad one is one ConfigError naming its key.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdp.errors import ConfigError
 from sdp.paths import check_writable
+from sdp.planning.cores import default_workers
 from sdp.planning.report import OBJECTIVES
 from sdp.planning.space import CHECKPOINTING, PRECISIONS, parse_devices
 from sdp.planning.step_time import Cluster, load_cluster, place
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sdp.planning.quality import TargetRanking
 
 MAX_RANKS = 65536  # more than any cluster the step-time model describes
+MAX_WORKERS = 256  # tracing processes
 RANK_CHOICES = ("busiest", "all")
 MIN_COVERAGE = 0.3  # the default: below it quality fell in our replica tables (claims.md, claim 4a)
 MACHINE = ("cluster", "nodes")  # with cluster.KEY=VALUE, the machine's keys in both commands
@@ -212,7 +213,7 @@ def parse_plan(argv: list[str]) -> PlanArgs:
         choices("checkpointing", own.get("checkpointing", ",".join(CHECKPOINTING)), CHECKPOINTING),
         _sync_every(own["sync_every"]) if "sync_every" in own else None,
         10**9 if top == "all" else integer("top", top, 1, 10**6),
-        integer("workers", own.get("workers", str(min(2, os.cpu_count() or 1))), 1, 64),
+        integer("workers", own.get("workers", str(min(MAX_WORKERS, default_workers()))), 1, MAX_WORKERS),
         Path(own["out"]) if "out" in own else None,
         _cache(own.get("cache")),
         Path(own["quality"]) if "quality" in own else None,

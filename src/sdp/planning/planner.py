@@ -117,7 +117,7 @@ def make_plan(
         devices=args.devices,
         cluster=args.cluster,
         workers=args.workers,
-        progress=progress_line,
+        progress=Progress(),
         traces=traces,
     )
     seconds = time.perf_counter() - start
@@ -185,18 +185,25 @@ def pilot_line(args: PlanArgs) -> str:
     return NO_PILOT if args.ranking is None else args.ranking.line()
 
 
-def progress_line(outcome: Outcome, done: int, total: int) -> None:
-    """One structure's line on stderr as its search ends."""
-    found, label = outcome.found, outcome.structure.label
-    if found is None:
-        what = f"refused: {outcome.reason}"
-    else:
-        busiest = found.busiest
-        peak, gib = found.peaks[busiest] / GIB, found.gib[busiest]
-        fits = f"fits at micro-batch {found.micro} x {found.accum}" if found.fits else "does not fit at micro-batch 1"
-        how = f"from {outcome.lead.label}'s traces" if outcome.lead else f"{found.probes} probes"
-        what = f"{fits}, peak {peak:.2f} / {gib:g} GiB ({how}, {outcome.seconds:.1f} s)"
-    print(f"[{done}/{total}] {label}: {what}", file=sys.stderr, flush=True)
+class Progress:
+    """The search's progress on stderr. On a terminal, one line rewritten as each structure's
+    search ends: structures done, traces made, and the time left at the pace so far; elsewhere
+    (a log, CI) nothing: the summary's "searched ..." line is the one line at the end."""
+
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
+        self.start, self.made = time.perf_counter(), 0
+
+    def __call__(self, outcome: Outcome, done: int, total: int) -> None:
+        self.made += outcome.traces[0]
+        if not self.tty:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / done * (total - done) if done else 0.0
+        line = f"[{done}/{total}] structures searched, {self.made} traces made, about {left:.0f} s left"
+        self.stream.write(f"\r\x1b[K{line}" + ("\n" if done == total else ""))
+        self.stream.flush()
 
 
 def summary(rows: list[Row], best: list[Row], *, seconds: float, workers: int) -> str:

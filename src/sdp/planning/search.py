@@ -9,7 +9,8 @@ Structures that differ only in coverage, activation checkpointing and an outer l
 *family*; a family is fitted from the least memory up, each structure's micro-batch search
 starting from the one before it (their peaks are close) and below any micro-batch a structure
 holding no more missed at (`known_miss`), and the families are spread over worker processes
-(`workers`, 2 on this 2-core machine), forked after the imports. Of an outer loop's H, one is
+(`workers`: by default the CPUs this process may use, `sdp.planning.cores`), forked after the
+imports. Of an outer loop's H, one is
 fitted and the others derived (`lead_structures`).
 """
 
