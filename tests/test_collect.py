@@ -10,6 +10,7 @@ from wandb_records import offline_run
 from sdp.analysis import lowcomm
 from sdp.analysis.tables import _quality, build_rows, ci95, collect, find_runs, variant_label
 from sdp.collect import main
+from sdp.paths import DamagedFile
 from sdp.rundir import Summary
 
 GIB = 2**30
@@ -88,6 +89,17 @@ def test_rows_average_seeds_and_compare_with_ddp(tmp_path):
     assert sdp["peak_gib_vs_ddp"] == pytest.approx(-0.5)
     assert sdp["static_gib_vs_ddp"] == pytest.approx(3 / 4 - 1)
     assert rows["N-SDP forward [optim.lr=0.2]"]["eval_acc"] == pytest.approx(0.6)
+
+
+def test_collect_reads_each_rows_rho_from_its_mask_json(tmp_path):
+    _run(tmp_path, "ddp")
+    fwd = _run(tmp_path, "fwd", masking="forward", coverage=0.5)
+    (fwd / "mask.json").write_text(json.dumps({"spectral_gap": 0.25, "groups": []}))
+    rows = {r["variant"]: r for r in build_rows(find_runs([tmp_path]))["resnet_tiny_fashion_mnist"]["rows"]}
+    assert rows["N-SDP forward"]["spectral_gap"] == 0.25 and rows["DDP"]["spectral_gap"] is None
+    (fwd / "mask.json").write_text("{")
+    with pytest.raises(DamagedFile, match=r"mask.json: is not a mask record"):
+        build_rows(find_runs([tmp_path]))
 
 
 def test_labels_name_the_paper_variants_and_stacked_methods():

@@ -186,3 +186,19 @@ def test_online_without_an_api_key_never_waits_for_a_prompt_on_a_terminal(wandb_
         os.close(controller)
         os.close(terminal)
     assert proc.returncode == 0 and "no API key" in output
+
+
+def test_a_saved_file_goes_with_the_wandb_run(tmp_path):
+    # An SDP run's mask.json is published with its W&B record: the offline run holds a copy and
+    # a "files" record naming it, for `wandb sync` to upload.
+    from wandb_records import records
+
+    logger = _logger(LoggerConfig(name="wandb", mode="offline", project="sdp-test"), tmp_path, config={})
+    (tmp_path / "mask.json").write_text('{"spectral_gap": 0.5}')
+    logger.save(tmp_path / "mask.json")
+    logger.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert json.loads((run / "files" / "mask.json").read_text()) == {"spectral_gap": 0.5}
+    (path,) = run.glob("run-*.wandb")
+    named = [f.path for r in records(path) if r.WhichOneof("record_type") == "files" for f in r.files.files]
+    assert "mask.json" in named

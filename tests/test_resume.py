@@ -74,6 +74,11 @@ def test_stop_and_resume_equals_one_run(tmp_path, variant):
     # The resumed launch kept the first launch's memory and FLOP measurements (steps 2 and 3).
     assert sb["memory"] == sa["memory"] and sb["flops_per_step_per_rank"] == sa["flops_per_step_per_rank"]
     assert [c.step for c in complete_checkpoints(resumed)] == [3]
+    if variant == "sdp-backward":  # the mask is published, and the resume trained the same one
+        mask = json.loads((resumed / "mask.json").read_text())
+        assert mask == json.loads((straight / "mask.json").read_text())
+        assert mask["construction"] == "cyclic" and mask["workers"] == 2 and mask["holders_per_unit"] == 1
+        assert all(sum(n for _, n, _ in g["holders"]) == g["units"] for g in mask["groups"])
 
 
 def _fake_checkpoint(run_dir, *, step: int, config: dict, world_size: int = 2, complete: bool = True):
@@ -225,3 +230,38 @@ def test_a_run_recorded_before_a_key_was_added_is_the_same_run_at_the_keys_old_v
     )
     with pytest.raises(ConfigError, match=r"model.inner_width: '<absent>' -> 0.5"):
         check_completed(tmp_path, record("model.inner_width=0.5"))
+
+
+def _plan(overrides: list[str]):
+    from sdp.run.config import typed_config, validate
+
+    return validate(typed_config([*TINY, *overrides]), world_size=2, offline=True)
+
+
+def test_a_resume_checks_the_mask_it_builds_against_the_run_dirs_mask_json(tmp_path):
+    from sdp.paths import DamagedFile
+    from sdp.run.preflight import check_mask
+
+    plan = _plan(["masking=forward", "masking.coverage=0.5"])
+    path = tmp_path / "mask.json"
+    record = plan.record(0)
+    path.write_text(json.dumps(record))
+    check_mask(plan, tmp_path, before=2, world_size=2)  # the same mask: resumes
+    group = record["groups"][3]
+    first, units, holders = group["holders"][0]
+    group["holders"][0] = [first, units, [1 - holders[0]]]  # a run of units moved to the other worker
+    path.write_text(json.dumps(record))
+    with pytest.raises(ConfigError) as err:
+        check_mask(plan, tmp_path, before=2, world_size=2)
+    assert str(err.value) == (
+        f"run_dir={str(tmp_path)!r}: trained another mask than this launch builds (the holders of "
+        f"{group['name']}'s units differ from mask.json): resume it with the version of this code that "
+        "started it, or start a new run_dir"
+    )
+    check_mask(plan, tmp_path, before=4, world_size=2)  # a resize builds a new mask: nothing to check
+    check_mask(
+        _plan(["masking=forward", "masking.coverage=0.5", "masking.resample_every=2"]), tmp_path, before=2, world_size=2
+    )
+    path.write_text("{")
+    with pytest.raises(DamagedFile, match="mask.json: is not a mask record"):
+        check_mask(plan, tmp_path, before=2, world_size=2)

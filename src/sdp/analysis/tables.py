@@ -37,7 +37,7 @@ from sdp.errors import ConfigError
 from sdp.metrics.convergence import gate_metric, plateau
 from sdp.paths import DamagedFile, describe, read_json_lines, read_yaml_mapping
 from sdp.run.config import RunConfig, by_dotted_key
-from sdp.rundir import CONFIG, METRICS, SUMMARY, Summary, evaluations, load_summary
+from sdp.rundir import CONFIG, MASK, METRICS, SUMMARY, Summary, evaluations, load_summary
 from sdp.rundir import variant_label as label_of
 
 GIB, MIB = 2**30, 2**20
@@ -143,6 +143,7 @@ def build_rows(runs: list[tuple[Path, Summary]]) -> dict[str, dict]:
             row["inner_width"] = sums[0].inner_width
             row["lr"] = (json.loads(config).get("optim") or {}).get("lr")
             row.update(pilot_columns(json.loads(config), sums[0], kinds[table]))
+            row["spectral_gap"] = spectral_gap(members[0][0], sums[0])
             if kinds[table] == "image":
                 row["eval_acc"], row["eval_acc_std"] = _mean_std([s.eval_acc for s in sums])
             row["eval_loss"], row["eval_loss_std"] = _mean_std([s.eval_loss for s in sums])
@@ -198,6 +199,18 @@ def pilot_columns(config: dict, s: Summary, kind: str) -> dict:
         "outer": outer["name"] if looped else None,
         "sync_every": outer.get("sync_every") if looped else None,
     }
+
+
+def spectral_gap(run_dir: Path, s: Summary) -> float | None:
+    """The mask's spectral gap (rho) from the run's mask.json (an SDP run's published mask), else
+    from its summary; None without SDP. A mask.json that cannot be read is named in one line."""
+    path = Path(run_dir) / MASK
+    if not path.is_file():
+        return (s.strategy.get("mask") or {}).get("spectral_gap")
+    try:
+        return json.loads(path.read_text())["spectral_gap"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DamagedFile(path, f"is not a mask record: {describe(err)}") from None
 
 
 def gates(members: list[tuple[Path, Summary]], kind: str) -> dict:
@@ -363,6 +376,7 @@ CSV_KEYS = [
     "granularity",
     "outer",
     "sync_every",
+    "spectral_gap",  # the mask's rho (`spectral_gap`: mask.json)
 ]
 
 

@@ -150,6 +150,15 @@ class RunLogger:
         except Exception as err:  # noqa: BLE001
             self._wandb_failed("summary", err)
 
+    def save(self, path: Path) -> None:
+        """Upload a file of the run dir with the W&B run (its files tab), now."""
+        if not self.active or self._wandb_run is None:
+            return
+        try:
+            self._wandb_run.save(str(path), base_path=str(path.parent), policy="now")
+        except Exception as err:  # noqa: BLE001
+            self._wandb_failed("save", err)
+
     def close(self, *, exit_code: int = 0) -> None:
         if not self.active:
             return

@@ -5,6 +5,7 @@ dir (what it resumes from). Bad input is one ConfigError naming a key; nothing i
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from sdp import dist, rundir
 from sdp.errors import ConfigError
 from sdp.outer import check_resize
+from sdp.paths import DamagedFile, describe
 from sdp.run.checkpoint import complete_checkpoints
 from sdp.run.config import RunConfig, typed_config, validate
 from sdp.run.resume import Resume, check_resume
@@ -119,4 +121,28 @@ def preflight(overrides: list[str], world: dist.World) -> Checked:
             before=newest.meta["world_size"],
             world_size=world.world_size,
         )
+        check_mask(plan, Path(cfg.run_dir), before=newest.meta["world_size"], world_size=world.world_size)
     return Checked(cfg, resume, plan)
+
+
+def check_mask(plan: SubnetPlan | None, run_dir: Path, *, before: int, world_size: int) -> None:
+    """A resume on the world size it stopped at, without resampling, trains the mask the run
+    trained: the one this launch builds must equal RUN_DIR/mask.json (a change in how masks are
+    built, between versions of this code, would otherwise move units to other holders unseen)."""
+    path = run_dir / rundir.MASK
+    if plan is None or plan.cfg.resample_every or before != world_size or not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedFile(path, f"is not a mask record: {describe(err)}") from None
+    built = json.loads(json.dumps(plan.record(0)))
+    if recorded != built:
+        differ = [g["name"] for g, r in zip(built["groups"], recorded.get("groups", []), strict=False) if g != r]
+        where = f"the holders of {differ[0]}'s units" if differ else "its construction"
+        raise ConfigError(
+            "run_dir",
+            str(run_dir),
+            f"trained another mask than this launch builds ({where} differ from {rundir.MASK}): resume it "
+            "with the version of this code that started it, or start a new run_dir",
+        )

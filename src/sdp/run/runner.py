@@ -121,6 +121,7 @@ def run(checked: Checked, world: dist.World) -> Summary:
         _open_run_dir(cfg, run_dir, world=world, resumed=resume is not None, ckpt=ckpt)
         logger = _open_logger(cfg, run_dir, world=world, ckpt=ckpt)
         built = _build(cfg, world=world, device=device, ckpt=ckpt, plan=checked.plan)
+        _publish_mask(checked.plan, built.strategy, run_dir, world=world, logger=logger)
         summary.resumes = resume_history(ckpt, world=world)
         summary.n_params = built.strategy.full_params
         summary.throughput_unit = "tokens/s" if built.data.kind == "text" else "samples/s"
@@ -186,6 +187,16 @@ def _open_logger(cfg: RunConfig, run_dir: Path, *, world: dist.World, ckpt: Chec
         resume_id=ckpt.meta.get("wandb_id") if ckpt else None,
         job_type=pivot_keys(cfg)["variant"],
     )
+
+
+def _publish_mask(plan, strategy: Strategy, run_dir: Path, *, world: dist.World, logger: RunLogger) -> None:
+    """Rank 0 writes an SDP run's mask (of the epoch this launch starts in) to RUN_DIR/mask.json
+    and uploads it with the W&B run: every unit's holders, its construction, seed and spectral gap."""
+    if plan is None or not world.is_main:
+        return
+    path = run_dir / rundir.MASK
+    rundir.write_json_atomic(path, plan.record(getattr(strategy, "epoch", 0)))
+    logger.save(path)
 
 
 def _new_summary(cfg: RunConfig, *, world: dist.World, device: torch.device) -> Summary:

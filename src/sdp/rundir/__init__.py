@@ -21,6 +21,7 @@ from sdp.rundir.files import (
     CHECKPOINTS,
     CONFIG,
     LAUNCH,
+    MASK,
     METRICS,
     MODEL,
     SUMMARY,
@@ -49,6 +50,7 @@ from sdp.rundir.summary import (
 __all__ = [
     "CHECKPOINTS",
     "CONFIG",
+    "MASK",
     "LAUNCH",
     "METRICS",
     "MODEL",

@@ -16,6 +16,7 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 MODEL = "model.pt"
+MASK = "mask.json"  # an SDP run's mask: every unit's holders (sdp.subnet.plan.SubnetPlan.record)
 LAUNCH = "launch.json"
 CHECKPOINTS = "checkpoints"
 

@@ -259,3 +259,15 @@ def mask_stats(mask: Mask, unit_numels: list[int]) -> dict:
         "spectral_gap": round(rho, 6),
         "holder_sets": len(mask.holder_sets()),
     }
+
+
+def holder_runs(mask: Mask, group: int) -> list[list]:
+    """Group `group`'s units as runs of consecutive units with one holder set, each
+    [first unit, units, holders]: every unit's holders, compactly (a cyclic mask's chunks are runs)."""
+    runs: list[list] = []
+    for unit, holders in enumerate(mask.unit_holders(group)):
+        if runs and runs[-1][2] == list(holders) and runs[-1][0] + runs[-1][1] == unit:
+            runs[-1][1] += 1
+        else:
+            runs.append([unit, 1, list(holders)])
+    return runs

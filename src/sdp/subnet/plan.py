@@ -24,7 +24,7 @@ from sdp.parallel import ParallelConfig
 from sdp.subnet import MaskingConfig, coverage_key
 from sdp.subnet.capacity import capacity_mask, check_length
 from sdp.subnet.groups import REPLICATED, joined, rank_sets, sdp_dimension_sets, shard_dims
-from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, mask_stats
+from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, holder_runs, mask_stats
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
@@ -109,6 +109,26 @@ class SubnetPlan:
     def stats(self) -> dict:
         """What summary.json reports about the (epoch 0) mask."""
         return mask_stats(self.mask, [g.unit_numel(self.shapes) for g in self.spec.groups])
+
+    def record(self, epoch: int = 0) -> dict:
+        """The mask of `epoch` as a run publishes it (RUN_DIR/mask.json): how it was made, its
+        spectral gap, and every unit's holders (`holder_runs`), group by group."""
+        mask = self.mask_at(epoch)
+        stats = mask_stats(mask, [g.unit_numel(self.shapes) for g in self.spec.groups])
+        return {
+            "construction": self.cfg.construction,
+            "seed": self.cfg.seed,
+            "epoch": epoch,
+            "resample_every": self.cfg.resample_every,
+            "workers": self.workers,
+            "holders_per_unit": mask.holders,
+            "capacity": list(mask.capacity),
+            "spectral_gap": stats["spectral_gap"],
+            "groups": [
+                {"name": g.name, "kind": g.kind, "units": g.num_units, "holders": holder_runs(mask, i)}
+                for i, g in enumerate(self.spec.groups)
+            ],
+        }
 
     @cached_property
     def full_params(self) -> int:
