@@ -117,10 +117,11 @@ lint: setup
 tables: setup
 	$(PY) scripts/cpu_replica.py --runs outputs/cpu_replica --out results/cpu_replica
 
-# The low-communication comparison: DDP, DiLoCo (H = 10, 50) and SDP with and without DiLoCo, 4 CPU
-# processes, seeds 0-2, both tables' models and data (scripts/lowcomm.py; results/lowcomm, docs/lowcomm.md).
+# An exploratory low-communication sweep: DDP, DiLoCo (H = 10, 50) and SDP with and without DiLoCo, 4 CPU
+# processes, seeds 0-2, short and untuned (scripts/lowcomm.py; tables in outputs/lowcomm/tables). The
+# converged comparison is make tables' DiLoCo rows (docs/lowcomm.md).
 lowcomm: setup
-	$(PY) scripts/lowcomm.py --runs outputs/lowcomm --out results/lowcomm
+	$(PY) scripts/lowcomm.py --runs outputs/lowcomm --out outputs/lowcomm/tables
 
 # The spectral gap against convergence: K = 4, C = 0.5, cyclic / random / blocked masks (21 runs, about 1.7 hours on 2 cores).
 rho: setup

@@ -157,11 +157,13 @@ def table_overrides(
 
 
 def parse_args(argv: list[str], *, doc: str, name: str) -> tuple[argparse.Namespace, list[str]]:
-    """--runs outputs/NAME, --out results/NAME, --tables, and --seeds (0 1 2) or cpu_replica's own
-    options; the rest are overrides (an unknown option is refused)."""
+    """--runs outputs/NAME, --out results/cpu_replica (or outputs/NAME/tables), --tables, and
+    --seeds (0 1 2) or cpu_replica's own options; the rest are overrides (an unknown option is refused)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path(f"outputs/{name}"))
-    parser.add_argument("--out", type=Path, default=Path(f"results/{name}"))
+    # Only the converged tables are results; an exploratory sweep's tables stay with its runs.
+    out = Path("results/cpu_replica") if name == "cpu_replica" else Path(f"outputs/{name}/tables")
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES))
     if name != "cpu_replica":  # whose rows get their seed counts (--seed-counts)
         parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

@@ -1,6 +1,6 @@
 """The low-communication comparison (`make lowcomm`): DDP, DiLoCo and SDP with and without DiLoCo.
 
-    python scripts/lowcomm.py [--runs outputs/lowcomm] [--out results/lowcomm]
+    python scripts/lowcomm.py [--runs outputs/lowcomm] [--out outputs/lowcomm/tables]
                               [--tables vision language] [--seeds 0 1 2] [OVERRIDES ...]
 
 4 CPU processes (K = 4 workers) on the tables' data and models (scripts/cpu_replica.py's: the
@@ -11,10 +11,10 @@ ResNet on Fashion-MNIST, the LLaMA on the standard library's sources), every row
 - N-SDP backward at C = 0.5, without and with DiLoCo at H = 10;
 - N-SDP forward and B-SDP forward at C = 0.5 with DiLoCo at H = 10.
 
-The models and steps are those of the tables before `make tables` was sized to converge (STEPS:
-demo_fmnist for 160 steps, demo_text for 200, with an evaluation at 80% of them), so that
-results/lowcomm stays reproducible: the runs are not converged, and each table's convergence
-lines say by how much (`make tables` has DiLoCo rows at its measured budget). Completed runs
+An exploratory sweep, retired from results/: the models and steps are those of the tables before
+`make tables` was sized to converge (STEPS: demo_fmnist for 160 steps, demo_text for 200, with an
+evaluation at 80% of them), none tuned, and no run converges; the converged comparison is the
+replica tables' DiLoCo rows (`make tables`, docs/lowcomm.md). Completed runs
 are not rerun, so a partial call leaves whole seeds behind; then the tables are rebuilt from every run dir
 (sdp.analysis.lowcomm).
 """

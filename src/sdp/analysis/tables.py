@@ -232,10 +232,13 @@ def convergence(row: dict, kind: str) -> str:
     listed = ", ".join(f"{g['change']:.2%}" for g in found)
     spans = "/".join(sorted({f"{g['from_step']}-{g['to_step']}" for g in found}))
     limit = "/".join(f"{t:.1%}" for t in sorted({g["threshold"] for g in found}))
-    verdict = "passes" if row["converged"] else "fails"
+    if row["converged"]:
+        verdict = f"passes (< {limit} in every run)"
+    else:
+        moved = sum(not g["plateaued"] for g in found)
+        verdict = f"fails (>= {limit} in {moved} of its {len(found)} runs)"
     return (
-        f"{row['variant']}'s smoothed {metric} moved by {listed} (its {len(found)} runs) over steps {spans}: "
-        f"{verdict} (< {limit} in every run)"
+        f"{row['variant']}'s smoothed {metric} moved by {listed} (its {len(found)} runs) over steps {spans}: {verdict}"
     )
 
 
