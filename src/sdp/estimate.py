@@ -25,6 +25,7 @@ import sys
 from sdp.errors import ConfigError
 from sdp.launching.cli import Usage, wants_help
 from sdp.outer import is_outer
+from sdp.outer.algorithms import outer_label
 from sdp.paths import check_output_file
 from sdp.planning.against import compare, finished_run, format_against, measured_ranks
 from sdp.planning.estimates import Estimate
@@ -90,10 +91,7 @@ def cluster_report(args: EstimateArgs, cfg: RunConfig, est: Estimate) -> tuple[s
 
 
 def run_label(cfg: RunConfig) -> str:
-    outer = ""
-    if is_outer(cfg.outer):
-        fragments = f", P={cfg.outer.fragments}" if cfg.outer.fragments > 1 else ""
-        outer = f" + DiLoCo(H={cfg.outer.sync_every}{fragments})"
+    outer = outer_label(cfg.outer.name, sync_every=cfg.outer.sync_every, fragments=cfg.outer.fragments)
     par = "FSDP" if cfg.parallelism.name == "fsdp" and not is_sdp(cfg.masking.name) else "DDP"
     if not is_sdp(cfg.masking.name):
         return par + outer

@@ -13,11 +13,11 @@ says what a strategy trains and with whom. docs/lowcomm.md describes the design.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
 from sdp.errors import ConfigError
+from sdp.outer.algorithms import algorithm_of
 
 
 class Outer(StrEnum):
@@ -57,23 +57,11 @@ def is_outer(cfg: OuterConfig) -> bool:
 
 
 def validate_outer(cfg: OuterConfig) -> None:
-    """The checks on outer.* alone (those against the model, the masking and the parallelism:
-    `validate_outer_with`)."""
-    if cfg.sync_every < 1:
-        raise ConfigError("outer.sync_every", cfg.sync_every, "must be >= 1 (1: a sync after every step)")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ConfigError("outer.lr", cfg.lr, "must be a finite number > 0 (DiLoCo's: 0.7)")
-    if not (math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1):
-        raise ConfigError("outer.momentum", cfg.momentum, "must be in [0, 1) (DiLoCo's: 0.9; 0: no momentum)")
-    if cfg.fragments < 1:
-        raise ConfigError("outer.fragments", cfg.fragments, "must be >= 1 (1: the whole model at each sync)")
-    if cfg.sync_every % cfg.fragments:
-        raise ConfigError(
-            "outer.fragments",
-            cfg.fragments,
-            f"must divide outer.sync_every={cfg.sync_every}: fragment p syncs every H steps, H / P steps after "
-            "fragment p - 1",
-        )
+    """The checks on outer.* alone, by its algorithm (`sdp.outer.algorithms`; those against the
+    model, the masking and the parallelism: `validate_outer_with`)."""
+    algorithm = algorithm_of(cfg.name)
+    if algorithm is not None:
+        algorithm.validate(cfg)
 
 
 def validate_outer_with(

@@ -45,6 +45,7 @@ from sdp.metrics.memory import LivePeak
 from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.outer import is_outer
+from sdp.outer.algorithms import algorithm_of
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import LocalDDPStrategy, view_of
 from sdp.parallel import ParallelConfig
@@ -417,13 +418,16 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
 
 
 def outer_loop(cfg: RunConfig, strategy, *, comm: CommCounter, device: torch.device) -> OuterLoop | None:
-    """outer=diloco's loop over the traced strategy, started (theta_prev and the momentum made), as
+    """The outer algorithm's loop over the traced strategy, started (theta_prev and the momentum made), as
     the run builds it; None without one."""
     if not is_outer(cfg.outer):
         return None
     cap = cfg.parallelism.bucket_cap_mb
     view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=cap)
-    outer = OuterLoop(cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=cap)
+    algorithm = algorithm_of(cfg.outer.name)
+    outer = algorithm.build(
+        cfg.outer, view, device=device, comm=comm, max_steps=cfg.trainer.max_steps, bucket_cap_mb=cap
+    )
     outer.start()
     return outer
 

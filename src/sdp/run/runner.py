@@ -21,6 +21,7 @@ from sdp.metrics.convergence import gate_metric, plateau
 from sdp.metrics.logger import RunLogger
 from sdp.optim import build_optimizer, build_scheduler
 from sdp.outer import check_resize, is_outer
+from sdp.outer.algorithms import algorithm_of
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import view_of
 from sdp.parallel import Strategy
@@ -295,7 +296,7 @@ def _build(cfg: RunConfig, *, world: dist.World, device: torch.device, ckpt: Che
 
 
 def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device, *, optimizer, ckpt, loaded, world):
-    """Collective: outer=diloco's loop over `strategy` (None without one): a new run's holders
+    """Collective: the outer algorithm's loop over `strategy` (None without one): a new run's holders
     started alike, a resumed run's outer state restored from what `load_checkpoint` read of `ckpt`
     (on another world size, only at a sync boundary: the preflight checked the newest checkpoint,
     this is the one chosen, an older one when the newest was damaged)."""
@@ -303,7 +304,7 @@ def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device, *
         return None
     par = cfg.parallelism
     view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=par.bucket_cap_mb)
-    outer = OuterLoop(
+    outer = algorithm_of(cfg.outer.name).build(
         cfg.outer,
         view,
         device=device,

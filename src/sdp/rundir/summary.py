@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdp.outer.algorithms import outer_label
 from sdp.paths import DamagedFile, describe
 from sdp.redact import redact
 from sdp.rundir.files import SUMMARY, write_json_atomic
@@ -55,8 +56,7 @@ def variant_label(
     if inner_width != 1:
         label += f" (inner width {inner_width:g})"
     if outer and outer.get("name", "none") != "none":
-        fragments = outer.get("fragments", 1)
-        label += f" + DiLoCo(H={outer['sync_every']}{f', P={fragments}' if fragments > 1 else ''})"
+        label += outer_label(outer["name"], sync_every=outer["sync_every"], fragments=outer.get("fragments", 1))
     if activation_checkpointing != "none":
         label += " + AC"
     if mixed_precision == "bf16":
