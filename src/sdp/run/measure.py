@@ -274,15 +274,17 @@ class Meter:
         self.applied.zero_()
         return record
 
-    def outer_step(self, step: int) -> None:
-        """After optimizer step `step`: the outer loop's syncs that are due (collective); the first
-        at or after the peak step under the live-tensor tracker, its peak in `sync_peak`."""
+    @contextlib.contextmanager
+    def outer_syncs(self, step: int):
+        """Around the outer algorithm's work after optimizer step `step`, which the trainer runs
+        inside: the first sync at or after the peak step is run under the live-tensor tracker,
+        its peak kept in `sync_peak`; any other step is not measured apart."""
         if step != self.sync_step:
-            self.outer.after_step(step)
+            yield
             return
         extra = self.outer.device_state()
         with torch.compiler.set_stance("force_eager"), LivePeak(self.strategy.model, self.optimizer, extra) as live:
-            self.outer.after_step(step)
+            yield
         self.sync_peak = live.breakdown()
 
     def _memory(self) -> dict:

@@ -334,8 +334,9 @@ def _optimizer_step(loop: Loop, run_step: Callable[[], torch.Tensor], *, step: i
         loop.optimizer.zero_grad(set_to_none=True)
     lr = loop.scheduler.get_last_lr()[0]  # the lr this step used
     loop.scheduler.step()
-    if loop.outer is not None:  # a sync where one is due, counted in this step's time and bytes
-        loop.meter.outer_step(step)
+    if loop.outer is not None:  # the outer algorithm's sync where one is due, in this step's time and bytes
+        with loop.meter.outer_syncs(step):
+            loop.outer.after_step(step)
     resampled = step < max_steps and loop.strategy.resample(step, loop.optimizer)
     if resampled:
         loop.strategy.model.train()
