@@ -172,6 +172,10 @@ def _fields(schema: type, prefix: str = ""):
             yield f"{prefix}{f.name}", kind
 
 
+# Strings whose values a registry lists, fuzzed as an enum is (outer.name: sdp.outer.algorithms).
+REGISTERED = ("outer.name",)
+
+
 def typed_values(key: str, kind) -> dict[str, list[str]]:
     """The bad values of one key, by value class."""
     union = typing.get_origin(kind) in (typing.Union, types.UnionType)
@@ -186,7 +190,7 @@ def typed_values(key: str, kind) -> dict[str, list[str]]:
         return {"C-type limits": [str(v) for v in HUGE], "types": ["abc", "1.5", "[1]"]}
     if base is float:
         return {"not finite": [*NOT_FINITE, "1e309", "-1e309"], "types": ["abc", "[1.0]"]}
-    if isinstance(base, type) and issubclass(base, enum.Enum):
+    if (isinstance(base, type) and issubclass(base, enum.Enum)) or key in REGISTERED:
         return {"types": ["bogus", "[1]"]}
     if base is str and key.rsplit(".", 1)[-1].endswith(PATH_NAMES):
         return {"paths": list(UNWRITABLE)}

@@ -50,7 +50,19 @@ def test_diloco_is_the_registered_one_and_its_checks_are_its_own():
 
 
 def test_an_unknown_or_second_algorithm_of_a_name_is_refused(stepwise):
-    with pytest.raises(ConfigError, match=r"outer='sparse': allowed: none, diloco, stepwise"):
+    with pytest.raises(ConfigError, match=r"outer.name='sparse': allowed: none, diloco, stepwise"):
         algorithm_of("sparse")
     with pytest.raises(ValueError, match="'stepwise' is registered already"):
         register(Stepwise())
+
+
+def test_outer_name_is_any_registered_algorithm_and_its_config_is_checked_by_it(stepwise):
+    from sdp.run.config import load_config
+
+    # Its knobs are DiLoCo's for now (one OuterConfig; a schema per algorithm is the next part).
+    base = ["model=llama_tiny", "dataset=synthetic_text", "outer=diloco", "outer.name=stepwise"]
+    with pytest.raises(ConfigError) as err:
+        load_config([*base, "outer.sync_every=16"], world_size=2, offline=True, check_data=False)
+    assert str(err.value) == "outer.sync_every=16: must be <= 8 for stepwise"
+    cfg = load_config([*base, "outer.sync_every=4"], world_size=2, offline=True, check_data=False)
+    assert cfg.outer.name == "stepwise"

@@ -21,11 +21,7 @@ def figures(text: str) -> list[tuple[float, int, str]]:
 def quoted(value: float, decimals: int, pool: set[float]) -> bool:
     """Whether a figure written with `decimals` decimals is one of the tables' values rounded so:
     the value itself, as a percentage (a share), or as a percentage above or below 1 (a ratio)."""
-    return any(
-        round(abs(candidate), decimals) == value
-        for y in pool
-        for candidate in (y, 100 * y, 100 * (y - 1))
-    )
+    return any(round(abs(candidate), decimals) == value for y in pool for candidate in (y, 100 * y, 100 * (y - 1)))
 
 
 def result_lines(readme: str) -> list[str]:

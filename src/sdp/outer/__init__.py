@@ -20,13 +20,6 @@ from sdp.errors import ConfigError
 from sdp.outer.algorithms import algorithm_of
 
 
-class Outer(StrEnum):
-    """outer.name: none (a gradient average every step) | diloco (local steps, an outer optimizer)."""
-
-    none = "none"
-    diloco = "diloco"
-
-
 class BackupDevice(StrEnum):
     """outer.backup_device: where theta_prev and the outer momentum live."""
 
@@ -43,7 +36,7 @@ class CommDtype(StrEnum):
 
 @dataclass
 class OuterConfig:
-    name: Outer = Outer.none
+    name: str = "none"  # an algorithm registered in sdp.outer.algorithms, or none
     sync_every: int = 50  # H: inner steps between two syncs of a fragment (1: every step)
     lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
     momentum: float = 0.9  # its momentum, in [0, 1) (DiLoCo's; 0: plain SGD)
@@ -53,7 +46,7 @@ class OuterConfig:
 
 
 def is_outer(cfg: OuterConfig) -> bool:
-    return cfg.name != Outer.none
+    return str(cfg.name) != "none"
 
 
 def validate_outer(cfg: OuterConfig) -> None:

@@ -48,7 +48,7 @@ def algorithm_of(name) -> OuterAlgorithm | None:
     if name == "none":
         return None
     if name not in ALGORITHMS:
-        raise ConfigError("outer", name, f"allowed: none, {', '.join(sorted(ALGORITHMS))}")
+        raise ConfigError("outer.name", name, f"allowed: none, {', '.join(sorted(ALGORITHMS))}")
     return ALGORITHMS[name]
 
 
