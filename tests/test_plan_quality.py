@@ -50,8 +50,8 @@ def sdp(mode: str, steps_to_target, *, protocol="same_iteration", budget=1600, g
 class Config:
     """The parts of a run's config the ranking reads."""
 
-    def __init__(self, world_size_model="resnet_tiny", batch=128, kind="image"):
-        self.model = type("M", (), {"name": world_size_model, "inner_width": 1.0})
+    def __init__(self, model="resnet_tiny", batch=128, kind="image"):
+        self.model = type("M", (), {"name": model, "inner_width": 1.0})
         self.trainer = type("T", (), {"global_batch_size": batch})
         self.dataset = type("D", (), {"kind": kind, "seq_len": 64})
 

@@ -92,11 +92,12 @@ def _value(text):
     """A CSV cell as the collector wrote it: '' is None, numbers are numbers."""
     if text in (None, ""):
         return None
-    try:
-        number = float(text)
-    except ValueError:
-        return text
-    return number if not number.is_integer() or "." in text or "e" in text else int(number)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def pilot_rows(path: Path) -> list[dict]:
