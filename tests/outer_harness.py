@@ -21,6 +21,7 @@ from dist_harness import CPU, _at, batch, gathered, overrides, run_config
 from sdp.dist import World
 from sdp.metrics.comm import CommCounter
 from sdp.optim import OptimConfig, build_optimizer
+from sdp.outer.algorithms import algorithm_of
 from sdp.outer.loop import OuterLoop
 from sdp.outer.view import view_of
 from sdp.run.build import build_strategy
@@ -38,7 +39,8 @@ def build(family: str, masking: MaskingConfig | None, outer: dict | None, *, ste
     loop (`outer`: outer.* keys; None: no outer loop), as the runner builds them."""
     line = overrides(family, masking)
     if outer is not None:
-        line += ["outer=diloco", *[f"outer.{k}={v}" for k, v in outer.items()]]
+        algorithm = outer.get("name", "diloco")
+        line += [f"outer={algorithm}", *[f"outer.{k}={v}" for k, v in outer.items() if k != "name"]]
     cfg = run_config([*line, f"trainer.max_steps={steps}"])
     world = World(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=dist.get_world_size())
     comm = CommCounter()
@@ -48,7 +50,8 @@ def build(family: str, masking: MaskingConfig | None, outer: dict | None, *, ste
         par = cfg.parallelism
         view = view_of(strategy, family=cfg.model.family, comm=comm, bucket_cap_mb=par.bucket_cap_mb)
         cap = par.bucket_cap_mb
-        loop = OuterLoop(cfg.outer, view, device=CPU, comm=comm, max_steps=steps, bucket_cap_mb=cap)
+        make = algorithm_of(cfg.outer.name).build
+        loop = make(cfg.outer, view, device=CPU, comm=comm, max_steps=steps, bucket_cap_mb=cap)
     return strategy, loop, comm
 
 

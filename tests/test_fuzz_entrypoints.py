@@ -129,7 +129,8 @@ PATH_NAMES = ("dir", "root", "path")
 UNWRITABLE = ("/proc/sdp-fuzz/x", "/etc/passwd")
 
 
-# The outer loop's keys exist under outer=diloco (outer=none has only its name).
+# The outer loop's keys exist under an algorithm (outer=none has only its name); each algorithm's
+# keys are fuzzed on its own config group, those every algorithm has on outer=diloco's.
 OUTER = ["outer=diloco"]
 OUTER_RANGES = [
     ("outer.sync_every", [0, -1]),
@@ -145,16 +146,21 @@ def typed_keys() -> list[tuple[str, object, list[str]]]:
     """(dotted key, its type, the base it is fuzzed on) for every field of RunConfig, the model's
     fields once per family."""
     from sdp.models import FAMILIES
+    from sdp.outer.algorithms import ALGORITHMS, OuterConfig
     from sdp.run.config import RunConfig
 
     out = []
     for family, schema in FAMILIES.items():
         out += [(f"model.{k}", t, FAMILY_BASES[family]) for k, t in _fields(schema)]
+    shared = {k for k, _ in _fields(OuterConfig)}  # fuzzed once, on outer=diloco
+    for name, algorithm in ALGORITHMS.items():
+        own = [(k, t) for k, t in _fields(algorithm.schema) if k not in shared or name == "diloco"]
+        out += [(f"outer.{k}", t, [*TEXT, f"outer={name}"]) for k, t in own]
     for key, kind in _fields(RunConfig):
-        if not key.startswith("model"):
+        if not key.startswith(("model", "outer")):
             leaf = key.rsplit(".", 1)[-1]
             reads = key.startswith("dataset.") and leaf.endswith(PATH_NAMES)
-            base = READS_DATASET_PATHS if reads else [*TEXT, *OUTER] if key.startswith("outer.") else TEXT
+            base = READS_DATASET_PATHS if reads else TEXT
             out.append((key, kind, base))
     return out
 

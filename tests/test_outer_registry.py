@@ -1,23 +1,33 @@
 """Outer algorithms are found by outer.name in one registry (sdp.outer.algorithms): the run, the
 estimator and the tables ask it, and none names an algorithm."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from sdp.analysis.tables import variant_label
 from sdp.errors import ConfigError
 from sdp.outer import OuterConfig, validate_outer
-from sdp.outer.algorithms import ALGORITHMS, DiLoCo, OuterAlgorithm, algorithm_of, outer_label, register
+from sdp.outer.algorithms import ALGORITHMS, OuterAlgorithm, algorithm_of, outer_label, register
+from sdp.outer.diloco import DiLoCo, DiLoCoConfig
 from sdp.rundir import Summary
 
 
-class Stepwise(OuterAlgorithm):
-    """An algorithm of a test's own: a label and a check of its own."""
+@dataclass
+class StepwiseConfig(OuterConfig):
+    width: int = 2
 
-    name, title = "stepwise", "Stepwise"
+
+class Stepwise(OuterAlgorithm):
+    """An algorithm of a test's own: a label, a knob and a check of its own."""
+
+    name, title, schema = "stepwise", "Stepwise", StepwiseConfig
 
     def validate(self, cfg) -> None:
         if cfg.sync_every > 8:
             raise ConfigError("outer.sync_every", cfg.sync_every, "must be <= 8 for stepwise")
+        if cfg.width < 1:
+            raise ConfigError("outer.width", cfg.width, "must be >= 1")
 
 
 @pytest.fixture
@@ -35,14 +45,14 @@ def test_a_registered_algorithm_names_its_rows_and_checks_its_knobs(stepwise):
     summary = Summary.from_json({**head, "outer": {"name": "stepwise", "sync_every": 4, "fragments": 2}})
     assert variant_label(summary) == "DDP + Stepwise(H=4, P=2)"
     with pytest.raises(ConfigError, match="must be <= 8 for stepwise"):
-        validate_outer(OuterConfig(name="stepwise", sync_every=16))
-    validate_outer(OuterConfig(name="stepwise", sync_every=4))
+        validate_outer(StepwiseConfig(name="stepwise", sync_every=16))
+    validate_outer(StepwiseConfig(name="stepwise", sync_every=4))
 
 
 def test_diloco_is_the_registered_one_and_its_checks_are_its_own():
     assert isinstance(algorithm_of("diloco"), DiLoCo) and outer_label("diloco", sync_every=10) == " + DiLoCo(H=10)"
     with pytest.raises(ConfigError) as err:
-        validate_outer(OuterConfig(name="diloco", sync_every=10, fragments=3))
+        validate_outer(DiLoCoConfig(name="diloco", sync_every=10, fragments=3))
     assert str(err.value) == (
         "outer.fragments=3: must divide outer.sync_every=10: fragment p syncs every H steps, H / P steps after "
         "fragment p - 1"
@@ -56,13 +66,26 @@ def test_an_unknown_or_second_algorithm_of_a_name_is_refused(stepwise):
         register(Stepwise())
 
 
-def test_outer_name_is_any_registered_algorithm_and_its_config_is_checked_by_it(stepwise):
+def test_outer_name_is_any_registered_algorithm_and_its_schema_and_checks_are_its_own(stepwise):
     from sdp.run.config import load_config
 
-    # Its knobs are DiLoCo's for now (one OuterConfig; a schema per algorithm is the next part).
-    base = ["model=llama_tiny", "dataset=synthetic_text", "outer=diloco", "outer.name=stepwise"]
+    base = ["model=llama_tiny", "dataset=synthetic_text", "outer.name=stepwise"]
+
+    def load(*extra):
+        return load_config([*base, *extra], world_size=2, offline=True, check_data=False)
+
     with pytest.raises(ConfigError) as err:
-        load_config([*base, "outer.sync_every=16"], world_size=2, offline=True, check_data=False)
+        load("+outer.sync_every=16")
     assert str(err.value) == "outer.sync_every=16: must be <= 8 for stepwise"
-    cfg = load_config([*base, "outer.sync_every=4"], world_size=2, offline=True, check_data=False)
-    assert cfg.outer.name == "stepwise"
+    with pytest.raises(ConfigError) as err:
+        load("+outer.sync_every=4", "+outer.width=0")
+    assert str(err.value) == "outer.width=0: must be >= 1"
+    with pytest.raises(ConfigError, match=r"^outer.width='x': invalid: "):
+        load("+outer.sync_every=4", "+outer.width=x")
+    cfg = load("+outer.sync_every=4", "+outer.width=3")
+    got = (type(cfg.outer), cfg.outer.name, cfg.outer.width, cfg.outer.sync_every)
+    assert got == (StepwiseConfig, "stepwise", 3, 4)
+    # DiLoCo's knobs are not stepwise's: its schema refuses them.
+    with pytest.raises(ConfigError, match=r"^outer.lr=0.7: invalid: "):
+        load("outer=diloco", "outer.name=stepwise")
+    assert type(load("outer=diloco", "outer.name=diloco").outer) is DiLoCoConfig

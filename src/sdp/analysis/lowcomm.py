@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from sdp.analysis.tables import MIB, convergence, find_runs, gates, variant_label
+from sdp.metrics.memory import outer_keys
 from sdp.rundir import Summary
 
 COLUMNS = (
@@ -64,7 +65,7 @@ def row_of(variant: str, members: list[tuple[Path, Summary]], kind: str) -> dict
         "quality_sd": _mean_sd(metric)[1],
         "sent_mib_per_worker": _mean_sd([_sent(s) / MIB for s in sums])[0],
         "device_mib_per_rank": _mean_sd([s.static_bytes / MIB for s in sums])[0],
-        "outer_mib_per_rank": (memory.get("outer_backup_bytes", 0) + memory.get("outer_momentum_bytes", 0)) / MIB,
+        "outer_mib_per_rank": sum(memory[k] for k in outer_keys(memory)) / MIB,
         "outer_on": outer.get("backup_device", "—"),
         "train_time_s": _mean_sd([(s.step_time_s or 0.0) * (s.steps or 0) for s in sums])[0],
         "syncs": outer.get("syncs"),

@@ -24,6 +24,19 @@ COMM_KINDS = (
 )
 
 
+def wire_bytes(op: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends on the wire for a collective of `nbytes` payload per rank among `n`
+    ranks, by NCCL's ring algorithms: an all-reduce moves 2(n-1)/n of it, a reduce-scatter
+    (n-1)/n, an all-gather (n-1) times its input (it forwards every other rank's), a broadcast
+    the buffer once; nothing alone."""
+    if n < 2:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1, "broadcast": 1}
+    if op not in factor:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(factor)}")
+    return factor[op] * nbytes
+
+
 class CommCounter:
     """Bytes of collective payload this rank sends, by kind, per optimizer step, and the
     time per step the compute waits for gradient averaging and weight refresh.

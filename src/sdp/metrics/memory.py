@@ -51,6 +51,12 @@ def allocating(kind: str):
         _ALLOCATING.pop()
 
 
+def outer_keys(memory: dict) -> list[str]:
+    """An outer loop's byte counts in a memory dict, theta_prev's and its algorithm's state's
+    (outer_backup_bytes, outer_momentum_bytes, ...: every outer_*_bytes)."""
+    return [k for k in memory if k.startswith("outer_") and k.endswith("_bytes")]
+
+
 def _nbytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (tied or aliased tensors count once)."""
     seen, total = set(), 0
@@ -100,7 +106,7 @@ class LivePeak(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra_state=()):
         """`extra_state`: tensors kept beside the optimizer's state on the device (an outer loop's
-        theta_prev and momentum under outer.backup_device=device), counted as optimizer state."""
+        theta_prev and its algorithm's state under outer.backup_device=device), counted as optimizer state."""
         super().__init__()
         self._kind: dict[int, str] = {}
         self._size: dict[int, int] = {}

@@ -7,42 +7,18 @@ workers that hold it (all of them under DDP; a unit's holders under SDP), and an
 SGD step moves theta_prev. `fragments` (Streaming DiLoCo, arXiv 2501.18512) splits the model
 into P groups of consecutive blocks, synced one at a time, every H / P steps in turn.
 
-This module holds the config (`outer.*`) and the checks on it; `loop` runs the syncs, `view`
-says what a strategy trains and with whom. docs/lowcomm.md describes the design.
+The algorithms are plug-ins (`algorithms`: the registry, each with its config schema; `diloco`
+the first); `loop` runs the syncs of any, `view` says what a strategy trains and with whom. This
+module holds the checks every outer loop shares, and imports the built-in algorithms, which
+register themselves. docs/lowcomm.md describes the design.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-
 from sdp.errors import ConfigError
-from sdp.outer.algorithms import algorithm_of
+from sdp.outer.algorithms import BackupDevice, OuterConfig, algorithm_of
 
-
-class BackupDevice(StrEnum):
-    """outer.backup_device: where theta_prev and the outer momentum live."""
-
-    cpu = "cpu"
-    device = "device"
-
-
-class CommDtype(StrEnum):
-    """outer.comm_dtype: the pseudo-gradients' dtype on the wire."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-@dataclass
-class OuterConfig:
-    name: str = "none"  # an algorithm registered in sdp.outer.algorithms, or none
-    sync_every: int = 50  # H: inner steps between two syncs of a fragment (1: every step)
-    lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
-    momentum: float = 0.9  # its momentum, in [0, 1) (DiLoCo's; 0: plain SGD)
-    backup_device: BackupDevice = BackupDevice.cpu
-    fragments: int = 1  # P: groups of consecutive blocks synced in turn (Streaming DiLoCo); 1: all at once
-    comm_dtype: CommDtype = CommDtype.fp32
+__all__ = ["BackupDevice", "OuterConfig", "at_boundary", "check_resize", "is_outer", "validate_outer"]
 
 
 def is_outer(cfg: OuterConfig) -> bool:
@@ -116,3 +92,7 @@ def check_resize(cfg: OuterConfig, *, run_dir: str, step: int, before: int, worl
         f"worker's weights and inner optimizer state are its own until the next sync, so a resume on {procs} "
         f"needs a sync boundary; {where}: {then}",
     )
+
+
+# The built-in algorithms register themselves (after the names above, which they may import).
+from sdp.outer import diloco  # noqa: E402, F401

@@ -1,17 +1,39 @@
 """Outer algorithms as plug-ins: one object per `outer.name`, found in `ALGORITHMS`.
 
 An algorithm owns what differs between methods that take local steps and sync now and then:
-the checks on its knobs (`validate`), its name in tables, plans and estimates (`label`), and the
-loop that runs its syncs over a strategy's `OuterView` (`build`: an object with `start`,
-`after_step`, `restore`, `device_state`, as `sdp.outer.loop.OuterLoop` has). The run, the
-estimator and the tables ask the registry; none names an algorithm. DiLoCo is the first.
+its config schema (`schema`, a dataclass extending `OuterConfig`) and the checks on it
+(`validate`), its name in tables, plans and estimates (`label`), and the loop that runs its syncs
+over a strategy's `OuterView` (`build`: a `sdp.outer.loop.OuterLoop`, which holds theta_prev, the
+windows and the checkpointed state, and asks its subclass how the holders exchange their
+pseudo-gradients and what the outer step is). The run, the estimator, the planner and the tables
+ask the registry; none names an algorithm. The built-in ones register themselves in their own
+modules, which `sdp.outer` imports; docs/architecture.md says how to add one.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from enum import StrEnum
 
 from sdp.errors import ConfigError
+
+
+class BackupDevice(StrEnum):
+    """outer.backup_device: where theta_prev and an algorithm's state live."""
+
+    cpu = "cpu"
+    device = "device"
+
+
+@dataclass
+class OuterConfig:
+    """The keys every outer loop has (`outer=none`: only `name` is given). An algorithm's schema
+    extends it with its own knobs."""
+
+    name: str = "none"  # an algorithm registered here, or none
+    sync_every: int = 50  # H: inner steps between two syncs of a fragment (1: every step)
+    fragments: int = 1  # P: groups of consecutive blocks synced in turn (Streaming DiLoCo); 1: all at once
+    backup_device: BackupDevice = BackupDevice.cpu
 
 
 class OuterAlgorithm:
@@ -19,6 +41,7 @@ class OuterAlgorithm:
 
     name = ""
     title = ""  # as tables and plans name it
+    schema: type = OuterConfig
 
     def validate(self, cfg) -> None:
         """The checks on its outer.* knobs alone, one ConfigError naming the key."""
@@ -38,8 +61,26 @@ def register(algorithm: OuterAlgorithm) -> OuterAlgorithm:
     """Add `algorithm` under its `outer.name` (a second one of the same name is refused)."""
     if algorithm.name in ALGORITHMS or algorithm.name in ("", "none"):
         raise ValueError(f"an outer algorithm named {algorithm.name!r} is registered already or not allowed")
+    if not (isinstance(algorithm.schema, type) and issubclass(algorithm.schema, OuterConfig)):
+        raise ValueError(f"outer algorithm {algorithm.name!r}: its schema must extend OuterConfig")
     ALGORITHMS[algorithm.name] = algorithm
     return algorithm
+
+
+def check_window(cfg: OuterConfig) -> None:
+    """The window's checks, every algorithm's: outer.sync_every >= 1, and outer.fragments >= 1
+    dividing it (the checks against the model's blocks: `sdp.outer.validate_outer_with`)."""
+    if cfg.sync_every < 1:
+        raise ConfigError("outer.sync_every", cfg.sync_every, "must be >= 1 (1: a sync after every step)")
+    if cfg.fragments < 1:
+        raise ConfigError("outer.fragments", cfg.fragments, "must be >= 1 (1: the whole model at each sync)")
+    if cfg.sync_every % cfg.fragments:
+        raise ConfigError(
+            "outer.fragments",
+            cfg.fragments,
+            f"must divide outer.sync_every={cfg.sync_every}: fragment p syncs every H steps, H / P steps after "
+            "fragment p - 1",
+        )
 
 
 def algorithm_of(name) -> OuterAlgorithm | None:
@@ -52,40 +93,13 @@ def algorithm_of(name) -> OuterAlgorithm | None:
     return ALGORITHMS[name]
 
 
+def schema_of(name) -> type:
+    """The config dataclass of `outer.name`'s algorithm (OuterConfig for none)."""
+    algorithm = algorithm_of(name)
+    return OuterConfig if algorithm is None else algorithm.schema
+
+
 def outer_label(name, *, sync_every: int | None, fragments: int = 1) -> str:
     """ " + DiLoCo(H=10)" for a run with an outer loop, "" without (what a row's name ends with)."""
     algorithm = algorithm_of(name)
     return "" if algorithm is None else f" + {algorithm.label(sync_every=sync_every, fragments=fragments)}"
-
-
-class DiLoCo(OuterAlgorithm):
-    """DiLoCo (arXiv 2311.08105), with Streaming DiLoCo's fragments (arXiv 2501.18512): each
-    worker steps alone for H steps, then the holders average each tensor's pseudo-gradient and
-    an outer Nesterov SGD step moves theta_prev (`sdp.outer.loop`)."""
-
-    name, title = "diloco", "DiLoCo"
-
-    def validate(self, cfg) -> None:
-        if cfg.sync_every < 1:
-            raise ConfigError("outer.sync_every", cfg.sync_every, "must be >= 1 (1: a sync after every step)")
-        if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-            raise ConfigError("outer.lr", cfg.lr, "must be a finite number > 0 (DiLoCo's: 0.7)")
-        if not (math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1):
-            raise ConfigError("outer.momentum", cfg.momentum, "must be in [0, 1) (DiLoCo's: 0.9; 0: no momentum)")
-        if cfg.fragments < 1:
-            raise ConfigError("outer.fragments", cfg.fragments, "must be >= 1 (1: the whole model at each sync)")
-        if cfg.sync_every % cfg.fragments:
-            raise ConfigError(
-                "outer.fragments",
-                cfg.fragments,
-                f"must divide outer.sync_every={cfg.sync_every}: fragment p syncs every H steps, H / P steps after "
-                "fragment p - 1",
-            )
-
-    def build(self, cfg, view, *, device, comm, max_steps: int, bucket_cap_mb: float):
-        from sdp.outer.loop import OuterLoop  # noqa: PLC0415 (the loop's imports: only a run with one)
-
-        return OuterLoop(cfg, view, device=device, comm=comm, max_steps=max_steps, bucket_cap_mb=bucket_cap_mb)
-
-
-register(DiLoCo())

@@ -39,7 +39,7 @@ class Estimate:
     seq_len: int | None
     n_params: int
     outer_on: str | None  # where an outer loop's state lives: device or host
-    outer: dict | None  # an outer loop's sync_every, fragments and bytes sent a sync, by kind
+    outer: dict | None  # an outer loop's name, sync_every, fragments, bytes sent a window (by kind; wire)
     memory: dict  # bytes by name; peak_breakdown: the peak's bytes by kind
     peak_segments: dict[str, dict[str, int]]  # each segment's peak by kind (sdp.planning.segments)
     flops_per_step: int

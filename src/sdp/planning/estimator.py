@@ -39,9 +39,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from sdp import dist
 from sdp.errors import ConfigError
-from sdp.metrics.comm import COMM_KINDS, CommCounter
+from sdp.metrics.comm import COMM_KINDS, CommCounter, wire_bytes
 from sdp.metrics.flops import flop_counter
-from sdp.metrics.memory import LivePeak
+from sdp.metrics.memory import LivePeak, outer_keys
 from sdp.models import build_model
 from sdp.optim import build_optimizer
 from sdp.outer import is_outer
@@ -331,7 +331,8 @@ class _Run:
         groups = planned_groups(cfg, world_size=self.world_size)[self.rank]
         micro = micro_batch_size(cfg.trainer, world_size=self.world_size)
         return Estimate(
-            **_describe(cfg, self.strategy, world_size=self.world_size, rank=self.rank, micro=micro, sent=sent),
+            **_describe(cfg, self.strategy, world_size=self.world_size, rank=self.rank, micro=micro),
+            outer=_outer_figures(cfg, sent, syncs),
             memory=_memory(static, peak, groups=groups, group_mb=cfg.parallelism.comm_group_overhead_mb),
             peak_segments=segments,
             flops_per_step=flops,
@@ -392,10 +393,9 @@ class SteadyRuns:
         self.close()
 
 
-def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int, sent: dict) -> dict:
+def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: int) -> dict:
     """What run an estimate is of: model, masking (and the rank's capacity, the mask's holder
-    counts), world, rank and shapes; an outer loop's settings and the bytes a sync sends, by
-    kind (`sent`)."""
+    counts), world, rank and shapes, and where an outer loop's state lives."""
     plan = getattr(strategy, "plan", None)  # SDP's: the mask's holders per unit
     return {
         "model": cfg.model.name,
@@ -411,9 +411,22 @@ def _describe(cfg: RunConfig, strategy, *, world_size: int, rank: int, micro: in
         "n_params": strategy.full_params,
         # Where an outer loop's state lives: in the device's peaks, or in host memory beside them.
         "outer_on": ("device" if cfg.outer.backup_device == "device" else "host") if is_outer(cfg.outer) else None,
-        "outer": {"sync_every": cfg.outer.sync_every, "fragments": cfg.outer.fragments, "bytes_per_sync": dict(sent)}
-        if is_outer(cfg.outer)
-        else None,
+    }
+
+
+def _outer_figures(cfg: RunConfig, sent: dict, syncs: list[list[dict]] | None) -> dict | None:
+    """An outer loop's settings and what a window's syncs send: the payload by kind (`sent`), and
+    the wire bytes of the exchanges (`sdp.metrics.comm.wire_bytes` of each outer_sync collective
+    of the traced syncs' timelines). None without an outer loop."""
+    if not is_outer(cfg.outer):
+        return None
+    records = [r for timeline in syncs or [] for r in timeline if r["kind"] == "outer_sync"]
+    return {
+        "name": str(cfg.outer.name),
+        "sync_every": cfg.outer.sync_every,
+        "fragments": cfg.outer.fragments,
+        "bytes_per_sync": dict(sent),
+        "wire_bytes_per_sync": sum(wire_bytes(r["op"], r["bytes"], len(r["ranks"])) for r in records),
     }
 
 
@@ -549,10 +562,11 @@ def format_estimate(est: Estimate) -> str:
         f"GiB; peak with them {mem['peak_with_comm_groups_bytes'] / GIB:.3f} GiB",
     ]
     if "outer_backup_bytes" in mem:
-        backup, momentum, sync = mem["outer_backup_bytes"], mem["outer_momentum_bytes"], mem["sync_peak_bytes"]
+        keys = outer_keys(mem)  # theta_prev's first, then the algorithm's state's
+        parts = " + ".join(f"{k[6:-6].replace('backup', 'theta_prev')} {mem[k] / GIB:.3f}" for k in keys)
         lines.append(
-            f"  outer    theta_prev {backup / GIB:.3f} + momentum {momentum / GIB:.3f} = "
-            f"{(backup + momentum) / GIB:.3f} GiB on {est.outer_on}; a sync peaks at {sync / GIB:.3f} GiB"
+            f"  outer    {parts} = {sum(mem[k] for k in keys) / GIB:.3f} GiB on {est.outer_on}; a sync peaks at "
+            f"{mem['sync_peak_bytes'] / GIB:.3f} GiB"
         )
     if est.holders is not None:
         h = est.holders

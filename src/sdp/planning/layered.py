@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Callable
 
 from sdp.errors import ConfigError
+from sdp.metrics.memory import outer_keys
 from sdp.models import build_on_meta
 from sdp.outer import is_outer
 from sdp.planning.estimates import Estimate
@@ -50,7 +51,6 @@ from sdp.subnet.plan import SubnetPlan
 SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the module doc)
 SPREAD = 0.005  # the most `layer_spread` the line is taken at; past it the model is traced whole
 HEAD = "model.norm"  # transformers' LLaMA: the final norm, where the decoder stack ends
-OUTER_BYTES = ("outer_backup_bytes", "outer_momentum_bytes")  # an outer loop's, on the line
 Trace = Callable[..., Estimate]  # estimate's signature: (cfg, *, world_size, rank, head=None) -> its figures
 
 
@@ -138,7 +138,7 @@ def extended(one: Estimate, two: Estimate, times: float, *, cluster: Cluster | N
 
     mem1, mem2 = one.memory, two.memory
     memory = dict(mem2)
-    for key in ("params_bytes", "grads_bytes", "optim_bytes", *OUTER_BYTES):
+    for key in ("params_bytes", "grads_bytes", "optim_bytes", *outer_keys(mem1)):
         if key in mem1:
             memory[key] = line(mem1[key], mem2[key])
 
@@ -160,9 +160,13 @@ def extended(one: Estimate, two: Estimate, times: float, *, cluster: Cluster | N
     memory["peak_with_comm_groups_bytes"] = breakdown["total"] + memory["comm_group_bytes"]
     by_kind = two.comm_bytes_per_step_by_kind
     outer = two.outer
-    if outer is not None:  # a sync's bytes, kind by kind
+    if outer is not None:  # a sync's bytes, kind by kind, and on the wire
         sent = outer["bytes_per_sync"]
-        outer = {**outer, "bytes_per_sync": {k: line(v, sent[k]) for k, v in one.outer["bytes_per_sync"].items()}}
+        outer = {
+            **outer,
+            "bytes_per_sync": {k: line(v, sent[k]) for k, v in one.outer["bytes_per_sync"].items()},
+            "wire_bytes_per_sync": line(one.outer["wire_bytes_per_sync"], outer["wire_bytes_per_sync"]),
+        }
     return dataclasses.replace(
         two,
         outer=outer,

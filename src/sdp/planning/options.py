@@ -165,12 +165,13 @@ class PlanArgs:
     granularities: tuple[str, ...] | None  # None: the default for the model
     precisions: tuple[str, ...]
     checkpointing: tuple[str, ...]
-    sync_every: tuple[int, ...] | None  # outer=diloco's H searched (None: not given; (): no outer loop)
+    sync_every: tuple[int, ...] | None  # the outer loop's H searched (None: not given; (): no outer loop)
     top: int
     workers: int
     out: Path | None
     cache: Path | None  # where traces are kept between calls (None: cache=off)
     quality: Path | None = None  # objective=time_to_target's pilot sweep (sdp.planning.quality)
+    outer: str | None = None  # the user's outer algorithm (outer.name; None: none), once composed
     ranking: TargetRanking | None = None  # its ranking, once the pilot is read (`sdp.planning.planner.prepare`)
 
 

@@ -71,7 +71,7 @@ def prepare(argv: list[str]) -> tuple[PlanArgs, Composer, RunConfig]:
     outer = composer.base("none", "ddp", outer=True)
     if is_outer(outer.outer):  # the user's outer loop, checked as a DDP run would check it
         check(outer, world_size=len(args.devices))
-        args = dataclasses.replace(args, sync_every=args.sync_every or SYNC_EVERY)
+        args = dataclasses.replace(args, sync_every=args.sync_every or SYNC_EVERY, outer=str(outer.outer.name))
     elif args.sync_every is not None:
         raise ConfigError("sync_every", ",".join(map(str, args.sync_every)), "needs outer=diloco: the H it searches")
     else:
@@ -96,6 +96,7 @@ def space_of(args: PlanArgs, plain: RunConfig) -> list[Structure]:
         precisions=args.precisions,
         checkpointing=args.checkpointing,
         sync_every=args.sync_every,
+        outer=args.outer,
     )
 
 

@@ -79,6 +79,7 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
         comm_groups=memory["comm_groups"],
         method=ests[busiest].method,
         comm_bytes_per_step=ests[busiest].comm_bytes_per_step,
+        outer_sync=_outer_sync(ests[busiest]),
         probes=found.probes,
         caveat=caveat(s, protocol=run.protocol),
     )
@@ -90,6 +91,14 @@ def row(outcome: Outcome, *, run: RunFacts, cluster_nodes: int) -> Row:
             out.per_s = run.per_step / found.step["step_overlapped_s"]
             out.step_terms = {k: found.step[k] for k in STEP_TERMS}
     return out
+
+
+def _outer_sync(est) -> dict | None:
+    """A window's exchange of an outer loop on the estimate's rank: its collectives' payload (the
+    outer_sync kind's bytes; a sync's weight refresh apart) and what they move on the wire."""
+    if est.outer is None:
+        return None
+    return {"bytes": est.outer["bytes_per_sync"].get("outer_sync", 0), "wire_bytes": est.outer["wire_bytes_per_sync"]}
 
 
 def ranked(rows: list[Row], *, objective: str, by_target: Callable[[list[Row]], list[Row]] | None = None) -> list[Row]:

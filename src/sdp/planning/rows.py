@@ -55,6 +55,8 @@ class Row:
     comm_groups: int = 0
     method: str = ""
     comm_bytes_per_step: float = 0
+    # An outer loop's exchange, the busiest rank's: a window's payload and wire bytes (None: none).
+    outer_sync: dict | None = None
     probes: int = 0
     caveat: str = ""
     command: str | None = None
@@ -119,6 +121,8 @@ class Row:
             "probes": self.probes,
             "caveat": self.caveat,
         }
+        if self.outer_sync is not None:
+            out["outer_sync"] = self.outer_sync
         if self.command is not None:
             out["command"] = self.command
         if self.step_s is not None:
@@ -149,6 +153,7 @@ class Row:
             devices_gib=ranks(data["devices_gib"]),
             probes=data["probes"],
             caveat=data["caveat"],
+            outer_sync=data.get("outer_sync"),
             command=data.get("command"),
             step_s=data.get("step_s"),
             exposed_comm_s=data.get("exposed_comm_s"),
@@ -172,6 +177,7 @@ def structure_json(s: Structure) -> dict:
         "activation_checkpointing": s.checkpointing,
         "mixed_precision": s.precision,
         "sync_every": s.sync_every,
+        "outer": s.outer,
     }
 
 
@@ -186,4 +192,5 @@ def structure_from_json(data: dict) -> Structure:
         checkpointing=data["activation_checkpointing"],
         precision=data["mixed_precision"],
         sync_every=data["sync_every"],
+        outer=data.get("outer", "diloco" if data["sync_every"] is not None else None),  # plans before 61: DiLoCo
     )

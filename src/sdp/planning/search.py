@@ -251,8 +251,12 @@ def lead_structures(space: list[Structure]) -> dict[Structure, Structure]:
     first: dict[Structure, Structure] = {}
     for s in space:
         if s.sync_every is not None:
-            first.setdefault(dataclasses.replace(s, sync_every=None), s)
-    return {s: s if s.sync_every is None else first[dataclasses.replace(s, sync_every=None)] for s in space}
+            first.setdefault(_plain(s), s)
+    return {s: s if s.sync_every is None else first[_plain(s)] for s in space}
+
+
+def _plain(s: Structure) -> Structure:
+    return dataclasses.replace(s, sync_every=None, outer=None)
 
 
 def _derived(s: Structure, lead: Outcome) -> Outcome:

@@ -6,9 +6,10 @@ devices of different memory, per-worker capacities), alone or with FSDP inside e
 For each structure the planner then picks the micro-batch (`trainer.grad_accum_steps`,
 `sdp.planning.fit`), so the micro-batch is not a dimension of this space.
 
-Given `outer=diloco`, the planner also weighs each DDP and SDP structure with an outer loop at
-every searched `sync_every` (H; FSDP refuses an outer loop, so its structures are weighed
-without): `Structure.sync_every`, None for the plain run.
+Given an outer loop (`outer=diloco`, or any algorithm of `sdp.outer.algorithms`), the planner
+also weighs each DDP and SDP structure with it at every searched `sync_every` (H; FSDP refuses an
+outer loop, so its structures are weighed without): `Structure.outer` and `.sync_every`, None for
+the plain run.
 
 SDP's coverages are r / K for r holders per unit. By default the planner weighs those on the
 grid the paper and our replica tables measure (0.75, 0.5, 0.25, and 0.125 below it), the
@@ -26,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from sdp.errors import ConfigError
+from sdp.outer.algorithms import outer_label
 from sdp.subnet.capacity import listed
 
 DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
@@ -34,7 +36,7 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 GRID = (0.75, 0.5, 0.25, 0.125)  # the default coverages, where r / K hits them
 STACK_PRECISION = "bf16"  # SDP x FSDP is weighed in it alone when it is searched (the paper's stack, M2)
-SYNC_EVERY = (1, 10, 50, 100)  # outer=diloco: the H searched by default
+SYNC_EVERY = (1, 10, 50, 100)  # with an outer loop: the H searched by default
 SHARE = 0.25  # mixed devices: capacities are multiples of this share (few holder sets, few communicators)
 
 
@@ -84,7 +86,7 @@ def _gib(text: str, part: str) -> float:
 class Structure:
     """A run's choices but its micro-batch. `coverage` is SDP's (None: DDP or FSDP); `capacity`
     replaces it on mixed devices; `fsdp_degree` > 1 is FSDP inside each SDP worker; `sync_every`
-    is an outer loop's H (None: none)."""
+    is an outer loop's H and `outer` its algorithm (None: none)."""
 
     parallelism: str = "ddp"  # ddp | fsdp
     masking: str = "none"  # none | backward | forward
@@ -95,6 +97,11 @@ class Structure:
     checkpointing: str = "none"
     precision: str = "fp32"
     sync_every: int | None = None
+    outer: str | None = None  # the outer algorithm (outer.name) of `sync_every`: diloco unless named
+
+    def __post_init__(self):
+        if self.sync_every is not None and self.outer is None:
+            object.__setattr__(self, "outer", "diloco")
 
     @property
     def label(self) -> str:
@@ -106,7 +113,7 @@ class Structure:
             label += f" x FSDP({self.fsdp_degree})" if self.fsdp_degree > 1 else ""
         label += {"none": "", "selective": " + AC(sel)", "full": " + AC"}[self.checkpointing]
         label += " + bf16" if self.precision == "bf16" else ""
-        return label + ("" if self.sync_every is None else f" + DiLoCo(H={self.sync_every})")
+        return label + ("" if self.sync_every is None else outer_label(self.outer, sync_every=self.sync_every))
 
     def overrides(self) -> list[str]:
         """The command-line overrides that give this structure (on top of the user's own)."""
@@ -125,7 +132,7 @@ class Structure:
             out.append(f"parallelism.activation_checkpointing={self.checkpointing}")
         if self.precision != "fp32":
             out.append(f"parallelism.mixed_precision={self.precision}")
-        if self.sync_every is not None:  # outer=diloco is the user's (see `outer_free`)
+        if self.sync_every is not None:  # outer=NAME is the user's (see `outer_free`)
             out.append(f"outer.sync_every={self.sync_every}")
         return out
 
@@ -163,11 +170,12 @@ def structures(
     precisions: tuple[str, ...] = PRECISIONS,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
     sync_every: tuple[int, ...] = (),
+    outer: str = "diloco",
 ) -> list[Structure]:
     """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
     equal memory per worker under SDP x FSDP, in bf16 when bf16 is searched: the paper's stacked
     configuration); `every`: all coverages r / K, not the grid's; each DDP and SDP structure
-    also with an outer loop at each of `sync_every`, right after it."""
+    also with the outer loop of algorithm `outer` at each of `sync_every`, right after it."""
     k = len(devices)
     sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage, every=every)] + [
         {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
@@ -192,12 +200,12 @@ def structures(
             ]
     if not sync_every:
         return out
-    local = [[s, *(dataclasses.replace(s, sync_every=h) for h in sync_every)] for s in out]
+    local = [[s, *(dataclasses.replace(s, sync_every=h, outer=outer) for h in sync_every)] for s in out]
     return [t for s, group in zip(out, local, strict=True) for t in (group if s.parallelism == "ddp" else [s])]
 
 
 def outer_free(overrides: list[str]) -> list[str]:
-    """The user's overrides without the outer loop's (outer=diloco, outer.KEY=...): a plain
+    """The user's overrides without the outer loop's (outer=NAME, outer.KEY=...): a plain
     structure's, where the planner weighs the run without one."""
     return [a for a in overrides if a.lstrip("+~").partition("=")[0].split(".")[0] != "outer"]
 

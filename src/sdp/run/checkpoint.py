@@ -252,8 +252,8 @@ def _write_part(prepared: _Prepared, state: SavedState, *, step: int, measured) 
             step, prepared.portable, state.scheduler, world=world, device=state.device, measured=measured
         )
         if prepared.outer is not None:
-            momentum, window = prepared.outer
-            saved["outer"] = {"momentum": {n: momentum[n] for n in _share(momentum, world)}, "window": window}
+            state, window = prepared.outer
+            saved["outer"] = {"state": {n: state[n] for n in _share(state, world)}, "window": window}
         return {path.name: _write(saved, path)}, None
     except Exception as err:  # noqa: BLE001 - reported to every rank in phase 3, then training goes on
         return {}, f"rank {world.rank}: {write_error(err, path)}"

@@ -41,6 +41,7 @@ from sdp.models import (
 )
 from sdp.optim import OptimConfig, validate_optim
 from sdp.outer import OuterConfig, validate_outer, validate_outer_with
+from sdp.outer.algorithms import schema_of
 from sdp.parallel import ParallelConfig, validate_parallel
 from sdp.paths import CONF_DIR, DamagedFile, describe, read_yaml_mapping
 from sdp.redact import redact
@@ -286,7 +287,7 @@ def to_typed(cfg: DictConfig) -> RunConfig:
         "dataset": DataConfig,
         "masking": MaskingConfig,
         "parallelism": ParallelConfig,
-        "outer": OuterConfig,
+        "outer": schema_of(cfg.outer.name),
         "optim": OptimConfig,
         "trainer": TrainerConfig,
         "logger": LoggerConfig,

@@ -251,11 +251,12 @@ def read_portable(ckpt: Checkpoint) -> tuple[PortableState, list[dict]]:
 @dataclass(frozen=True)
 class Loaded:
     """What a resume restored besides the model: this rank's saved measurements (None on another
-    world size: they described other ranks) and an outer loop's state (None without one): the
-    momentum in plain coordinates and this rank's own window (None on another world size)."""
+    world size: they described other ranks) and an outer loop's state (None without one): its
+    algorithm's state in plain coordinates ({"KEY/NAME": tensor}) and this rank's own window
+    (None on another world size)."""
 
     measured: dict | None
-    outer_momentum: dict[str, torch.Tensor] | None = None
+    outer_state: dict[str, torch.Tensor] | None = None
     outer_window: dict | None = None
 
 
@@ -275,13 +276,23 @@ def load_checkpoint(
         ) from err
     load_schedule(scheduler, parts[0]["scheduler"])
     same = ckpt.meta["world_size"] == world.world_size
-    momentum = {n: t for part in parts for n, t in part["outer"]["momentum"].items()} if "outer" in parts[0] else None
-    window = parts[world.rank]["outer"]["window"] if same and momentum is not None else None
+    outer = _outer_state(parts) if "outer" in parts[0] else None
+    window = parts[world.rank]["outer"]["window"] if same and outer is not None else None
     if same:
         _set_rng_state(parts[world.rank]["rng"], device)
-        return Loaded(parts[world.rank].get("measured"), momentum, window)
+        return Loaded(parts[world.rank].get("measured"), outer, window)
     _seed_streams(seed, rank=world.rank, step=ckpt.step, device=device)
-    return Loaded(None, momentum, window)
+    return Loaded(None, outer, window)
+
+
+def _outer_state(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """The outer algorithm's state from every rank's share (a checkpoint written before the
+    algorithms were plug-ins holds DiLoCo's momentum by bare name)."""
+    out = {}
+    for part in parts:
+        saved = part["outer"]
+        out.update(saved["state"] if "state" in saved else {f"momentum/{n}": t for n, t in saved["momentum"].items()})
+    return out
 
 
 def _seed_streams(seed: int, *, rank: int, step: int, device: torch.device) -> None:

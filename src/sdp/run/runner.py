@@ -317,7 +317,7 @@ def _outer_loop(cfg: RunConfig, strategy: Strategy, comm: CommCounter, device, *
         return outer
     before = ckpt.meta["world_size"]
     check_resize(cfg.outer, run_dir=cfg.run_dir, step=ckpt.step, before=before, world_size=world.world_size)
-    outer.restore(optimizer, loaded.outer_momentum or {}, loaded.outer_window)
+    outer.restore(optimizer, loaded.outer_state or {}, loaded.outer_window)
     return outer
 
 
