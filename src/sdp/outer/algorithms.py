@@ -41,6 +41,7 @@ class OuterAlgorithm:
 
     name = ""
     title = ""  # as tables and plans name it
+    caveat = ""  # the plans' word on its quality, from docs/lowcomm.md's comparison
     schema: type = OuterConfig
 
     def validate(self, cfg) -> None:

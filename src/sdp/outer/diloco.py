@@ -101,6 +101,7 @@ class DiLoCo(OuterAlgorithm):
     """DiLoCo's knobs and checks; its loop: `DiLoCoMethod` over `OuterLoop`."""
 
     name, title, schema = "diloco", "DiLoCo", DiLoCoConfig
+    caveat = "outer loop: trailed DDP at equal steps"
 
     def validate(self, cfg) -> None:
         check_window(cfg)

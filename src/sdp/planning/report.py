@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from sdp.outer.algorithms import algorithm_of
 from sdp.planning.fit import GIB
 from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Outcome
@@ -43,9 +44,9 @@ OBJECTIVES = ("speed", "memory", "time_to_target")
 
 
 def caveat(s: Structure, *, protocol: str) -> str:
-    """The replica reports' word on a structure's quality (claim numbers of CITED), and the
-    low-communication table's on an outer loop (LOWCOMM)."""
-    outer = "" if s.sync_every is None else f"outer loop: trailed DDP at equal steps ({LOWCOMM})"
+    """The replica reports' word on a structure's quality (claim numbers of CITED), and its outer
+    algorithm's (its `caveat`, from the low-communication comparison, LOWCOMM)."""
+    outer = "" if s.sync_every is None else f"{algorithm_of(s.outer).caveat} ({LOWCOMM})"
     if s.masking == "none":
         return outer
     coverage = s.coverage if s.capacity is None else sum(s.capacity) / len(s.capacity)
