@@ -262,12 +262,190 @@ def start() -> dict:
     }
 
 
+ANCHOR = {"name": "sparseloco", "density": 1.0, "value_bits": 32, "error_decay": 0.0, "lr": 1.0}
+SPARSE_CASES = {
+    "llama-ddp": ("llama", None),
+    "llama-backward-neuron": ("llama", MaskingConfig(name="backward", granularity="neuron", coverage=0.5)),
+    "resnet-forward-neuron": ("resnet", MaskingConfig(name="forward", capacity=[1, 0.25, 0.25, 0.25])),
+}
+
+
+def _one_sync(family: str, masking: MaskingConfig | None, outer: dict) -> dict:
+    """Two steps of H = 2 (one sync, at the end): theta_prev and every rank's local values just
+    before the sync (all in plain coordinates, every rank's), the values after it (this rank's),
+    and the ops of the sync's exchange."""
+    strategy, loop, comm = build(family, masking, {"sync_every": 2, **outer}, steps=2)
+    loop.start()
+    shapes = {n: t.shape for n, t in strategy.full_parameters().items()}
+    prev = scattered(loop, shapes, values=lambda p: loop.backup[p])
+    seen = {}
+
+    def before_sync(step: int) -> None:
+        seen["local"] = gathered(scattered(loop, shapes))
+        comm.timeline = []
+
+    run(strategy, loop, family, steps=2, before_sync=before_sync)
+    ops = sorted({r["op"] for r in comm.timeline if r["kind"] == "outer_sync"})
+    return {"prev": prev, "local": seen["local"], "new": scattered(loop, shapes), "ops": ops}
+
+
+def _rank_order_reference(prev: torch.Tensor, locals_: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """theta_prev - the holders' pseudo-gradients summed in fp32 in rank order / holders (lr 1,
+    the outer step's 0 added; an element of one holder: its own value), and each element's
+    holder count."""
+    p32, total, count = prev.float(), torch.zeros_like(prev, dtype=torch.float32), torch.zeros_like(prev)
+    own = torch.zeros_like(p32)
+    for local in locals_:
+        held = ~local.isnan()
+        total = torch.where(held, total + (p32 - local.float()), total)
+        own = torch.where(held, local.float(), own)
+        count += held
+    mean = total / count.clamp_min(1).float()  # in fp32, as the holders divide
+    return torch.where(count == 1, own, (p32 - mean) + (mean - mean)), count
+
+
+def sparse_anchor() -> dict:
+    """SparseLoCo at density 1, 32-bit values, error_decay 0, lr 1 against DiLoCo at lr 1 and no
+    momentum from the same start and batches, after one sync: per element, the largest difference
+    where it has <= 2 holders and the largest relative one where more; against the rank-order
+    reference, the largest difference (0: bit for bit); the exchanges' ops."""
+    out = {}
+    for case, (family, masking) in SPARSE_CASES.items():
+        dense = _one_sync(family, masking, {"lr": 1.0, "momentum": 0.0})
+        sparse = _one_sync(family, masking, ANCHOR)
+        few, many, reference, counts = 0.0, 0.0, 0.0, set()
+        for name, got in sparse["new"].items():
+            want, count = _rank_order_reference(sparse["prev"][name], [r[name] for r in sparse["local"] if name in r])
+            mine = ~got.isnan()
+            counts |= set(count[mine].unique().tolist())
+            reference = max(reference, (got[mine] - want[mine].double()).abs().max().item())
+            diff = (got - dense["new"][name]).abs()
+            small = mine & (count <= 2)
+            if small.any():
+                few = max(few, diff[small].max().item())
+            if (mine & (count > 2)).any():
+                scale = (dense["prev"][name] - dense["new"][name])[mine].abs().max().clamp_min(1e-30)
+                many = max(many, (diff[mine & (count > 2)].max() / scale).item())
+        out[case] = {
+            "few_holders": max(gathered(few)),
+            "many_holders_rel": max(gathered(many)),
+            "reference": max(gathered(reference)),
+            "holder_counts": sorted(set().union(*gathered(counts))),
+            "ops": {"diloco": dense["ops"], "sparseloco": sparse["ops"]},
+        }
+    return out
+
+
+def feedback() -> dict:
+    """LLaMA under DDP, SparseLoCo at density 0.05, 2-bit values, error_decay 0.9, chunks of 64,
+    H = 2 over 4 steps (syncs after steps 2 and 4). Each bucket's compression recorded: whether
+    its accumulator is error_decay * the error feedback before + the pseudo-gradient (bit for
+    bit), whether what it keeps is exactly what it did not send (fp32's acc - sent), the largest
+    |sent + kept - acc| over the largest |acc|; the bytes each sync sent, on the wire, and the buckets'
+    sizes and holders."""
+    import sdp.outer.sparseloco as sparseloco
+
+    cfg = {"name": "sparseloco", "density": 0.05, "value_bits": 2, "error_decay": 0.9, "chunk_size": 64}
+    strategy, loop, _ = build("llama", None, {"sync_every": 2, **cfg}, steps=4)
+    loop.start()
+    records, expected = [], []
+    compress = sparseloco.compress
+
+    def recording(layout, e):
+        acc = e.clone()
+        payload = compress(layout, e)
+        records.append((layout, acc, payload, e.clone()))
+        return payload
+
+    def before_sync(step: int) -> None:
+        if step % 2 == 0:
+            for j, b in enumerate(loop.buckets[0]):
+                delta = sparseloco.pack(b, lambda p: loop.backup[p] - p, dtype=torch.float32)
+                want = loop.method.errors[(0, j)].clone().mul_(0.9)
+                want.narrow(0, 0, b.numel).add_(delta)
+                expected.append(want)
+
+    sparseloco.compress = recording
+    try:
+        run(strategy, loop, "llama", steps=4, before_sync=before_sync)
+    finally:
+        sparseloco.compress = compress
+    exact_acc, exact_kept, worst = True, True, 0.0
+    for (layout, acc, payload, kept), want in zip(records, expected, strict=True):
+        exact_acc &= torch.equal(acc, want)
+        index, values = sparseloco.decode(layout, payload)
+        dense = torch.zeros(layout.chunks, layout.chunk).scatter_(1, index, values).view(-1)[: layout.numel]
+        acc, kept = acc[: layout.numel], kept[: layout.numel]
+        exact_kept &= torch.equal(kept, acc - dense)
+        worst = max(worst, ((dense.double() + kept.double() - acc.double()).abs().max() / acc.abs().max()).item())
+    return {
+        "exact_acc": all(gathered(exact_acc)),
+        "exact_kept": all(gathered(exact_kept)),
+        "worst": max(gathered(worst)),
+        "records": len(records),
+        "sent": loop.sent,
+        "syncs": loop.syncs,
+        "bytes_per_sync": loop.figures()["bytes_per_sync"],
+        "wire_bytes_per_sync": loop.figures()["wire_bytes_per_sync"],
+        "buckets": [[b.numel, len(b.holders)] for b in loop.buckets[0]],
+        "error_feedback_bytes": loop.memory()["outer_error_feedback_bytes"],
+    }
+
+
+def ef_resize() -> dict:
+    """After one sync of SparseLoCo (density 0.05, 2 bits, error_decay 0.9), the checkpointed state
+    against the mean of every holder's own error feedback, and what a resume on another world size
+    (`restore` without this rank's window) leaves: the largest difference from that mean, and
+    between holders (0: the same)."""
+    out = {}
+    cfg = {"name": "sparseloco", "density": 0.05, "value_bits": 2, "error_decay": 0.9, "chunk_size": 64}
+    for case, masking in (("llama-ddp", None), ("llama-backward-neuron", SPARSE_CASES["llama-backward-neuron"][1])):
+        strategy, loop, _ = build("llama", masking, {"sync_every": 2, **cfg}, steps=2)
+        loop.start()
+        optimizer = run(strategy, loop, "llama", steps=2)
+        shapes = {n: t.shape for n, t in strategy.full_parameters().items()}
+        every = gathered(scattered_errors(loop, shapes))
+        plain, _ = loop.checkpoint(optimizer)
+        loop.restore(optimizer, plain, None)
+        after = gathered(scattered_errors(loop, shapes))
+        saved, restored, spread = 0.0, 0.0, 0.0
+        for name in shapes:
+            held = [r[name] for r in every if name in r]
+            if not held:
+                continue
+            stacked = torch.stack(held)
+            mean = stacked.nan_to_num(0).sum(0) / (~stacked.isnan()).sum(0).clamp_min(1)
+            mask = ~stacked.isnan().all(0)
+            saved = max(saved, (plain[f"error_feedback/{name}"].double() - mean)[mask].abs().max().item())
+            now = torch.stack([r[name] for r in after if name in r])
+            ok = ~now.isnan()
+            restored = max(restored, (now - mean).abs()[ok].max().item())
+            hi, lo = now.nan_to_num(float("-inf")).max(0).values, now.nan_to_num(float("inf")).min(0).values
+            spread = max(spread, (hi - lo)[mask].max().item())
+        scale = max(t.nan_to_num(0).abs().max().item() for r in every for t in r.values())
+        out[case] = {"saved": saved, "restored": restored, "spread": spread, "scale": scale}
+    return out
+
+
+def scattered_errors(loop, shapes) -> dict[str, torch.Tensor]:
+    """This rank's error feedback in plain coordinates (float64), NaN where it holds no multi-holder piece."""
+    out = {}
+    for j, b in enumerate(loop.buckets[0]):
+        flat = loop.method.errors[(0, j)].narrow(0, 0, b.numel)
+        for e, offset in zip(b.entries, b.offsets, strict=True):
+            out.setdefault(e.name, torch.full(shapes[e.name], float("nan"), dtype=torch.float64))
+            shape = e.piece.view(e.piece.tensor).shape
+            _at(out[e.name], e).copy_(flat.narrow(0, offset, e.piece.numel).view(shape))
+    return out
+
+
 def main(argv: list[str]) -> int:
     """`SCENARIO PATH`: run the scenario on this rank of the job; rank 0 writes its result to PATH."""
     scenario, path = argv
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {"k1": anchors_k1, "sgd": anchors_sgd, "average": holder_average, "order": order, "start": start}
+    scenarios |= {"sparse_anchor": sparse_anchor, "feedback": feedback, "ef_resize": ef_resize}
     names = scenario.split("+")
     result = {name: scenarios[name]() for name in names}
     if dist.get_rank() == 0:

@@ -95,4 +95,4 @@ def check_resize(cfg: OuterConfig, *, run_dir: str, step: int, before: int, worl
 
 
 # The built-in algorithms register themselves (after the names above, which they may import).
-from sdp.outer import diloco  # noqa: E402, F401
+from sdp.outer import diloco, sparseloco  # noqa: E402, F401
