@@ -472,16 +472,18 @@ def test_a_sample_of_every_entrypoint_and_value_class_is_refused_in_one_line(tmp
 
 
 def test_every_key_of_the_typed_config_is_fuzzed():
-    # 135 keys (a family's model keys once per family), of which 21 free strings take any value;
+    # 140 keys (a family's model keys once per family, an outer algorithm's own once per algorithm:
+    # 116 names, outer.lr in two), of which 21 free strings take any value;
     # the hand-written lists fuzzed 10 whole-number and 9 float keys for C-type limits and NaN.
     keys = typed_keys()
     fuzzed = {k for k, kind, _ in keys if typed_values(k, kind)}
-    assert (len(keys), len(fuzzed)) == (135, 112)
+    assert (len(keys), len(fuzzed)) == (140, 116)
     assert {"parallelism.timeout_s", "trainer.max_nonfinite_skips", "model.window_size", "run_dir"} <= fuzzed
     assert {"outer.sync_every", "outer.lr", "outer.momentum", "outer.fragments", "outer.comm_dtype"} <= fuzzed
-    assert sum(map(len, typed_cases().values())) == 601
+    assert {"outer.density", "outer.value_bits", "outer.error_decay", "outer.chunk_size"} <= fuzzed
+    assert sum(map(len, typed_cases().values())) == 636
 
 
 @pytest.mark.skipif(os.environ.get("SDP_FUZZ") != "all", reason="every case: make fuzz (SDP_FUZZ=all), 5 min")
 def test_every_case_of_every_entrypoint_is_refused_in_one_line(tmp_path, sentinels):
-    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1257 + 2 * 601  # every case, each refused
+    assert sum(run_fuzz(tmp_path, sample=None).values()) == 1257 + 2 * 636  # every case, each refused

@@ -60,7 +60,7 @@ def test_diloco_is_the_registered_one_and_its_checks_are_its_own():
 
 
 def test_an_unknown_or_second_algorithm_of_a_name_is_refused(stepwise):
-    with pytest.raises(ConfigError, match=r"outer.name='sparse': allowed: none, diloco, stepwise"):
+    with pytest.raises(ConfigError, match=r"outer.name='sparse': allowed: none, diloco, sparseloco, stepwise"):
         algorithm_of("sparse")
     with pytest.raises(ValueError, match="'stepwise' is registered already"):
         register(Stepwise())
