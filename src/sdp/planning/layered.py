@@ -46,6 +46,7 @@ from sdp.planning.step_time import Cluster, step_times
 from sdp.planning.traces import trace_now
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp, sdp_workers
+from sdp.subnet.modes import mode_of
 from sdp.subnet.plan import SubnetPlan
 
 SHORT = (3, 4)  # the depths traced (shallower models peak elsewhere: see the module doc)
@@ -189,7 +190,8 @@ def block_forward(cfg: RunConfig) -> bool:
     skips the others, so its figures are affine in how many it holds (`block_line`)."""
     return (
         cfg.model.family == "llama"
-        and cfg.masking.name == "forward"
+        and is_sdp(cfg.masking.name)
+        and mode_of(cfg.masking.name).runs_subnetwork
         and cfg.masking.granularity == "block"
         and cfg.parallelism.name == "ddp"
         and _whole_syncs(cfg)

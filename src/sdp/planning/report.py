@@ -19,6 +19,7 @@ from sdp.planning.rows import Row, RunFacts
 from sdp.planning.search import Outcome
 from sdp.planning.space import Structure, command
 from sdp.planning.step_time import STEP_TERMS, step_terms
+from sdp.subnet.modes import MODES, mode_of
 
 CLAIMS = "results/cpu_replica/claims.md"
 LOWCOMM = "docs/lowcomm.md"  # the low-communication comparison
@@ -51,12 +52,7 @@ def caveat(s: Structure, *, protocol: str) -> str:
         return outer
     coverage = s.coverage if s.capacity is None else sum(s.capacity) / len(s.capacity)
     notes = ["C < 0.3 lost quality (4a)"] if coverage < 0.3 else []
-    if protocol == "flop_matched":
-        notes.append(f"1/C the steps: {'beat' if s.masking == 'backward' else 'trailed'} DDP (1)")
-    elif s.masking == "forward":
-        notes.append("trails DDP at its step count (4b, 5)")
-    else:
-        notes.append("trails DDP at its step count, less than forward (4b, 5)")
+    notes.append(mode_of(s.masking).caveat(flop_matched=protocol == "flop_matched"))
     return "; ".join([*notes, outer] if outer else notes)
 
 
@@ -200,9 +196,10 @@ def plot(rows: list[Row], path: Path, *, title: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(9, 6))
-    for mode, color in (("none", "tab:blue"), ("backward", "tab:green"), ("forward", "tab:orange")):
+    colors = iter(["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:gray"])
+    captions = {"none": ("DDP / FSDP", "tab:blue")} | {n: (m.caption, next(colors)) for n, m in MODES.items()}
+    for mode, (label, color) in captions.items():
         pts = [r for r in rows if r.fits and r.step_s is not None and r.structure.masking == mode]
-        label = {"none": "DDP / FSDP", "backward": "SDP backward", "forward": "SDP forward"}[mode]
         ax.scatter([100 * (1 - r.headroom) for r in pts], [r.step_s for r in pts], c=color, s=18, label=label)
     front = pareto(rows)
     ax.plot([100 * (1 - r.headroom) for r in front], [r.step_s for r in front], "k--", lw=1, label="Pareto front")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from sdp.errors import ConfigError
 from sdp.outer.algorithms import outer_label
 from sdp.subnet.capacity import listed
+from sdp.subnet.modes import MODES
 
 DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
 MAX_DEVICES = 65536
@@ -187,13 +188,15 @@ def structures(
             out.append(Structure(**common))
             if k > 1:
                 out.append(Structure(parallelism="fsdp", **common))
-            for mode in ("backward", "forward"):
+            for mode in MODES:  # every registered masking mode
                 for gran in granularities:
                     out += [Structure(masking=mode, granularity=gran, **choice, **common) for choice in sdp]
             if precision != STACK_PRECISION and STACK_PRECISION in precisions:
                 continue
             out += [
-                Structure("fsdp", "forward", gran, coverage=c, fsdp_degree=f, **common)
+                Structure("fsdp", mode, gran, coverage=c, fsdp_degree=f, **common)
+                for mode, spec in MODES.items()
+                if spec.shards
                 for f in _fsdp_degrees(devices)
                 for gran in granularities
                 for c in coverages(k // f, min_coverage=min_coverage, every=every)

@@ -28,12 +28,12 @@ class Masking(StrEnum):
     stochastic_depth = "stochastic_depth"
 
 
-SDP_MASKINGS = (Masking.backward, Masking.forward)
-
-
 def is_sdp(masking: str) -> bool:
-    """Whether `masking` (masking.name) trains subnetworks (the others hold the whole model)."""
-    return masking in SDP_MASKINGS
+    """Whether `masking` (masking.name) trains subnetworks, a mode of `sdp.subnet.modes` (the
+    others hold the whole model)."""
+    from sdp.subnet.modes import MODES  # noqa: PLC0415 (modes imports this package's names)
+
+    return str(masking) in MODES
 
 
 def sdp_workers(parallel: ParallelConfig, *, masking: str, world_size: int) -> int:
@@ -55,7 +55,7 @@ def validate_sdp_x_fsdp(parallel: ParallelConfig, *, masking: str, world_size: i
         )
     if not sharded:
         return
-    if masking != "forward":
+    if not _mode(masking).shards:
         raise ConfigError(
             "parallelism",
             parallel.name,
@@ -124,7 +124,7 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError("masking.bn_recalibration_batches", cfg.bn_recalibration_batches, "must be >= 0 (0: off)")
     if cfg.resample_every < 0:
         raise ConfigError("masking.resample_every", cfg.resample_every, "must be >= 0 (0: never resample)")
-    if cfg.name != "forward" and cfg.scale != "auto":  # an option that would be ignored is refused
+    if not (is_sdp(cfg.name) and _mode(cfg.name).scaled) and cfg.scale != "auto":  # it would be ignored: refused
         raise ConfigError(
             "masking.scale", cfg.scale, f"applies only to masking=forward (masking={cfg.name} trains unscaled)"
         )
@@ -132,6 +132,12 @@ def validate_masking(cfg: MaskingConfig) -> None:
         raise ConfigError(
             "masking.resample_every", cfg.resample_every, f"masking={cfg.name} has no mask to resample: must be 0"
         )
+
+
+def _mode(masking: str):
+    from sdp.subnet.modes import mode_of  # noqa: PLC0415 (modes imports this package's names)
+
+    return mode_of(masking)
 
 
 def _validate_capacity(cfg: MaskingConfig) -> None:

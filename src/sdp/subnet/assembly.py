@@ -21,6 +21,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.subnet import resolved_scale
 from sdp.subnet.apply import backward_buffer_sync, fold_eval_scaling, forward_assembly, named_tensors
 from sdp.subnet.install import Installed
+from sdp.subnet.modes import mode_of
 from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.sync import Transfer, broadcast_from_holders
 
@@ -93,45 +94,20 @@ class Assembler:
     @torch.no_grad()
     def full_parameters(self, installed: Installed) -> dict[str, torch.Tensor]:
         """Every parameter of the plain model by its plain name (collective; backward masking's
-        refresh must have finished)."""
-        if self.plan.cfg.name == "forward":
-            return dict(self.assemble(installed, fold_eval_scale=False).named_parameters())
-        out = {}
-        for name in self.plan.shapes:
-            owner_path, _, attr = name.rpartition(".")
-            owner = installed.model.get_submodule(owner_path) if owner_path else installed.model
-            out[name] = owner._buffers.get(f"{attr}_full", getattr(owner, attr))
-        return out
+        refresh must have finished): the mode's."""
+        return mode_of(self.plan.cfg.name).full_parameters(self, installed)
 
     @torch.no_grad()
     def current_plain_model(self, installed: Installed, *, counted: bool = True) -> nn.Module:
         """A plain model with the current weights and buffers, on every rank (collective); the
         bytes sent are counted as resample traffic when `counted`."""
-        if self.plan.cfg.name == "forward":
-            return self.assemble(installed, fold_eval_scale=False, comm_kind="resample" if counted else None)
-        self.sync_buffers(installed, comm=self.comm if counted else None, kind="resample")
-        full = self.fresh_plain()
-        params = self.full_parameters(installed)  # current everywhere: the weight refresh ran after the step
-        for name, p in full.named_parameters():
-            p.copy_(params[name])
-        buffers = dict(installed.model.named_buffers())
-        for name, b in full.named_buffers():
-            b.copy_(buffers[name])
-        return full
+        return mode_of(self.plan.cfg.name).current_plain_model(self, installed, counted=counted)
 
     def eval_model(self, installed: Installed) -> nn.Module:
-        """The model evaluation runs: backward masking's own (its held buffers synced), forward
-        masking's assembled one (collective)."""
-        if self.plan.cfg.name == "backward":
-            self.sync_buffers(installed, comm=None, kind="eval")
-            return installed.model
-        return self.assemble(installed, fold_eval_scale=True)
+        """The model evaluation runs (collective): backward masking's own (its held buffers
+        synced), forward masking's assembled one."""
+        return mode_of(self.plan.cfg.name).eval_model(self, installed)
 
     def plain_state_dict(self, installed: Installed, eval_model: nn.Module) -> dict[str, torch.Tensor]:
         """The state dict of `eval_model` (from `eval_model`) under the plain model's names."""
-        if self.plan.cfg.name == "forward":
-            return eval_model.state_dict()  # the assembled plain model
-        # Backward masking evaluates its own model: drop the held-range views and put
-        # the full weights back under their plain names.
-        state = {k: v for k, v in eval_model.state_dict().items() if "_held_ranges." not in k}
-        return {**state, **self.full_parameters(installed)}
+        return mode_of(self.plan.cfg.name).plain_state_dict(self, installed, eval_model)

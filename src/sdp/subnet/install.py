@@ -1,7 +1,8 @@
 """Installing a subnetwork: a full plain model made this rank's subnetwork under one mask.
 
-The `Installer` applies forward masking (slice, then move only the submodel to the device) or
-backward masking (held-range views into the full weights, on the device), prepares the result
+The `Installer` applies the masking mode (`sdp.subnet.modes`: forward masking slices, then moves
+only the submodel to the device; backward masking makes held-range views into the full weights,
+on the device), prepares the result
 (activation checkpointing, compilation), registers the process groups of the mask's holder sets
 and finishes the subnetwork for training. It returns an `Installed`: everything the other parts
 need of the subnetwork until the next resample. SDP x FSDP (`sdp.subnet.sharded`) registers
@@ -16,12 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdp.parallel import move_to
-from sdp.subnet import resolved_scale
-from sdp.subnet.apply import Subnet, apply_backward_masking, apply_forward_masking
+from sdp.subnet.apply import Subnet
 from sdp.subnet.groups import HolderGroups
 from sdp.subnet.layout import Chunk
 from sdp.subnet.mask import Mask
+from sdp.subnet.modes import mode_of
 from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.sync import GradEntry
 
@@ -63,16 +63,8 @@ class Installer:
     def install(self, model: nn.Module, mask: Mask) -> Installed:
         """Make `model` (a full plain model, current weights) this rank's subnetwork under `mask`
         (collective: the groups of new holder sets are created)."""
-        spec, cfg = self.plan.spec, self.plan.cfg
-        if cfg.name == "forward":
-            # Slice where the full model is, then move only the submodel: when it is on the
-            # host, the device never holds the full model.
-            scale = resolved_scale(cfg)
-            subnet, chunks = apply_forward_masking(model, spec, mask, rank=self.worker, scale=scale, outer=self.outer)
-            move_to(subnet.model, self.device)
-        else:
-            # Pieces view the full weights: they must be made where the weights live.
-            subnet, chunks = apply_backward_masking(move_to(model, self.device), spec, mask, rank=self.worker)
+        mode = mode_of(self.plan.cfg.name)
+        subnet, chunks = mode.install(model, self.plan, mask, worker=self.worker, device=self.device, outer=self.outer)
         if self.prepare is not None:
             self.prepare(subnet.model)
         self.register(mask.holder_sets())

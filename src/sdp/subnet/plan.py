@@ -25,6 +25,7 @@ from sdp.subnet import MaskingConfig, coverage_key
 from sdp.subnet.capacity import capacity_mask, check_length
 from sdp.subnet.groups import REPLICATED, joined, rank_sets, sdp_dimension_sets, shard_dims
 from sdp.subnet.mask import FIXED_HOLDER_SETS, Mask, build_mask, holder_runs, mask_stats
+from sdp.subnet.modes import mode_of
 from sdp.subnet.units import UnitSpec, unit_spec
 
 
@@ -203,8 +204,7 @@ class SubnetPlan:
             raise refusal
         if self.cfg.granularity == "block":
             _check_every_worker_holds_a_block(self)
-        if self.cfg.name == "forward":
-            _check_every_worker_holds_neurons(self)
+        mode_of(self.cfg.name).check(self)
 
 
 def planned_comm_groups(
@@ -287,23 +287,6 @@ def _check_every_worker_holds_a_block(plan: SubnetPlan) -> None:
                 f"{'its capacity' if plan.cfg.capacity else 'the coverage'}, use fewer workers or "
                 "masking.granularity=neuron",
             )
-
-
-def _check_every_worker_holds_neurons(plan: SubnetPlan) -> None:
-    """Forward masking: a worker must hold a unit of every neuron group (its subnetwork would
-    have no path through that site): refused."""
-    k = plan.workers
-    for g, group in enumerate(plan.spec.groups):
-        for worker in range(k):
-            if group.kind != "block" and plan.mask.held_units(worker, g).size == 0:
-                key, value = coverage_key(plan.cfg, worker)
-                raise ConfigError(
-                    key,
-                    value,
-                    f"leaves worker {worker} of {k} no unit of {group.name} ({group.num_units} {group.kind} "
-                    f"units); raise {'its capacity' if plan.cfg.capacity else 'the coverage'}, use fewer workers "
-                    "or masking.granularity=block",
-                )
 
 
 def block_index(names, paths) -> dict[str, int]:

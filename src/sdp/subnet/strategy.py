@@ -24,6 +24,7 @@ from sdp.subnet import MaskingConfig, resolved_scale
 from sdp.subnet.assembly import Assembler
 from sdp.subnet.install import Installed, Installer
 from sdp.subnet.mask import Mask
+from sdp.subnet.modes import mode_of
 from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.refresh import Refresh
 from sdp.subnet.state import StateMover
@@ -175,9 +176,7 @@ class SDPStrategy(Strategy):
         return 1 + self.installer.groups.joined(self.rank)
 
     def forward_params(self) -> int:
-        if self.cfg.name == "backward":  # the full model's forward, on every rank
-            return self.full_params
-        return sum(p.numel() for p in self.model.parameters())  # the smaller subnetwork (DTensors: unsharded)
+        return mode_of(self.cfg.name).forward_params(self)
 
     @contextlib.contextmanager
     def eval_model(self):
