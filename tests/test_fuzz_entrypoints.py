@@ -178,8 +178,9 @@ def _fields(schema: type, prefix: str = ""):
             yield f"{prefix}{f.name}", kind
 
 
-# Strings whose values a registry lists, fuzzed as an enum is (outer.name: sdp.outer.algorithms).
-REGISTERED = ("outer.name",)
+# Strings whose values a registry lists, fuzzed as an enum is (outer.name: sdp.outer.algorithms;
+# masking.name: sdp.subnet.modes and the baselines).
+REGISTERED = ("outer.name", "masking.name")
 
 
 def typed_values(key: str, kind) -> dict[str, list[str]]:

@@ -35,6 +35,7 @@ from sdp.planning.step_time import Cluster
 from sdp.planning.traces import TraceCache, trace_now
 from sdp.run.config import RunConfig, apply_protocol, typed_config
 from sdp.subnet import capacity_replaces_coverage, is_sdp
+from sdp.subnet.modes import masking_overrides
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Composer:
         """The user's overrides with these (without their outer loop's unless `outer`), composed
         once per distinct list (without an outer loop in the user's, `outer` changes nothing)."""
         own = self.overrides if outer else outer_free(self.overrides)
-        key = (*own, f"masking={masking}", f"parallelism={parallelism}")
+        key = (*own, *masking_overrides(masking), f"parallelism={parallelism}")
         if key not in self._bases:
             self._bases[key] = typed_config(list(key))
         return self._bases[key]

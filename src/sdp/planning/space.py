@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from sdp.errors import ConfigError
 from sdp.outer.algorithms import outer_label
 from sdp.subnet.capacity import listed
-from sdp.subnet.modes import MODES
+from sdp.subnet.modes import MODES, masking_overrides
 
 DEVICES_FORMS = "NxGIB (8x80), a list of GiB per GPU ([80,80,24,24]), or parts joined by + (4x80+4x24)"
 MAX_DEVICES = 65536
@@ -118,7 +118,7 @@ class Structure:
 
     def overrides(self) -> list[str]:
         """The command-line overrides that give this structure (on top of the user's own)."""
-        out = [f"masking={self.masking}"]
+        out = masking_overrides(self.masking)
         if self.masking != "none":
             out.append(f"masking.granularity={self.granularity}")
             out.append(

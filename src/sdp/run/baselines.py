@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sdp.subnet import BASELINES
 from sdp.subnet.units import unit_spec
 
-BASELINES = ("dropout", "stochastic_depth")
+__all__ = ["BASELINES", "apply_unit_noise"]
 
 
 def _per_sample(n: int, keep: float, *, like: torch.Tensor, units: int = 1) -> torch.Tensor:

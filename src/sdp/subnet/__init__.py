@@ -16,16 +16,16 @@ from sdp.parallel.config import ParallelConfig
 from sdp.subnet.mask import Construction
 from sdp.subnet.units import Granularity
 
+# masking.name: none (DDP), an SDP mode of `sdp.subnet.modes` (backward, forward, and any other
+# registered), or a baseline: DDP with SDP's units dropped at random (sdp.run.baselines).
+BASELINES = ("dropout", "stochastic_depth")
 
-class Masking(StrEnum):
-    """masking.name. none: DDP; backward, forward: SDP; dropout / stochastic_depth: DDP with
-    SDP's units dropped at random (sdp.run.baselines)."""
 
-    none = "none"
-    backward = "backward"
-    forward = "forward"
-    dropout = "dropout"
-    stochastic_depth = "stochastic_depth"
+def masking_names() -> list[str]:
+    """Every masking.name a run may give, in the order errors list them."""
+    from sdp.subnet.modes import MODES  # noqa: PLC0415 (modes imports this package's names)
+
+    return ["none", *MODES, *BASELINES]
 
 
 def is_sdp(masking: str) -> bool:
@@ -79,7 +79,7 @@ class Scale(StrEnum):
 
 @dataclass
 class MaskingConfig:
-    name: Masking = Masking.none
+    name: str = "none"  # one of masking_names()
     granularity: Granularity = Granularity.neuron
     coverage: float = 1.0  # fraction of units each worker holds
     # Each worker's own fraction, one per SDP worker (workers of different memory; sdp.subnet.capacity).
@@ -112,6 +112,8 @@ class MaskingConfig:
 
 def validate_masking(cfg: MaskingConfig) -> None:
     """Checks on the masking values alone (the mask itself is checked against the model before launch)."""
+    if cfg.name not in masking_names():
+        raise ConfigError("masking.name", cfg.name, f"allowed: {', '.join(masking_names())}")
     if cfg.capacity is not None:  # first: the coverage is then the capacities' mean, not the user's
         _validate_capacity(cfg)
     if not 0.0 < cfg.coverage <= 1.0:

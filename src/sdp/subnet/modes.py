@@ -24,6 +24,7 @@ class MaskingMode:
     """The base of a masking mode (see the module docstring); `name` is its `masking.name`."""
 
     name = ""
+    group = ""  # the config group (conf/masking/GROUP.yaml) whose keys it takes; "": its name
     caption = ""  # the planner's plot legend
     scaled = False  # masking.scale applies (the subnetwork's activations are rescaled)
     shards = False  # SDP x FSDP can host it (a worker's subnetwork is a model of its own)
@@ -172,6 +173,15 @@ def register(mode: MaskingMode) -> MaskingMode:
 def mode_of(name) -> MaskingMode:
     """The mode of an SDP `masking.name`."""
     return MODES[str(name)]
+
+
+def masking_overrides(name: str) -> list[str]:
+    """The command-line overrides that select `masking.name=name`: its config group, and its
+    name where the mode takes another mode's group."""
+    if name not in MODES:
+        return [f"masking={name}"]
+    group = MODES[name].group or name
+    return [f"masking={group}", *([f"masking.name={name}"] if group != name else [])]
 
 
 register(Backward())
