@@ -6,9 +6,9 @@ from conftest import TINY_MODELS, tiny_model_cfg
 
 from sdp.errors import ConfigError
 from sdp.models import build_model
-from sdp.run.baselines import apply_unit_noise
 from sdp.run.config import load_config
 from sdp.run.trainer import forward_loss
+from sdp.subnet.baselines import apply_unit_noise
 
 
 def _batch(family: str, n: int = 16) -> dict:

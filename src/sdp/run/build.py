@@ -18,9 +18,9 @@ from sdp.parallel import Strategy, move_to
 from sdp.parallel.checkpointing import apply_activation_checkpointing
 from sdp.parallel.compile import apply_compile, needs_graph_breaks
 from sdp.parallel.ddp import DDPStrategy
-from sdp.run.baselines import BASELINES, apply_unit_noise
 from sdp.run.config import RunConfig
 from sdp.subnet import is_sdp
+from sdp.subnet.baselines import BASELINES, apply_unit_noise
 from sdp.subnet.plan import SubnetPlan
 from sdp.subnet.strategy import SDPStrategy
 

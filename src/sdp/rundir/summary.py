@@ -18,6 +18,7 @@ from sdp.outer.algorithms import outer_label
 from sdp.paths import DamagedFile, describe
 from sdp.redact import redact
 from sdp.rundir.files import SUMMARY, write_json_atomic
+from sdp.subnet.baselines import BASELINES
 from sdp.subnet.capacity import listed
 
 # running: started; completed; stopped: stopped early with a checkpoint (stop_at_step, a
@@ -43,10 +44,8 @@ def variant_label(
     "DDP (inner width 0.5)" is the dense control): the tables' rows (`sdp.collect`) and W&B's job_type."""
     if masking == "none":
         label = "FSDP" if parallelism == "fsdp" else "DDP"
-    elif masking == "dropout":
-        label = "Dropout"
-    elif masking == "stochastic_depth":
-        label = "Stochastic depth"
+    elif masking in BASELINES:
+        label = BASELINES[masking].title
     else:
         label = f"{'N' if granularity == 'neuron' else 'B'}-SDP {masking}"
         if parallelism == "fsdp":

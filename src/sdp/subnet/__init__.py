@@ -17,15 +17,15 @@ from sdp.subnet.mask import Construction
 from sdp.subnet.units import Granularity
 
 # masking.name: none (DDP), an SDP mode of `sdp.subnet.modes` (backward, forward, and any other
-# registered), or a baseline: DDP with SDP's units dropped at random (sdp.run.baselines).
-BASELINES = ("dropout", "stochastic_depth")
+# registered), or a baseline: DDP with SDP's units dropped at random (sdp.subnet.baselines).
+BASELINE_NAMES = ("dropout", "stochastic_depth")  # their objects: sdp.subnet.baselines.BASELINES
 
 
 def masking_names() -> list[str]:
     """Every masking.name a run may give, in the order errors list them."""
     from sdp.subnet.modes import MODES  # noqa: PLC0415 (modes imports this package's names)
 
-    return ["none", *MODES, *BASELINES]
+    return ["none", *MODES, *BASELINE_NAMES]
 
 
 def is_sdp(masking: str) -> bool:

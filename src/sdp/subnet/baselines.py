@@ -23,10 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sdp.subnet import BASELINES
+from sdp.subnet import BASELINE_NAMES
 from sdp.subnet.units import unit_spec
-
-__all__ = ["BASELINES", "apply_unit_noise"]
 
 
 def _per_sample(n: int, keep: float, *, like: torch.Tensor, units: int = 1) -> torch.Tensor:
@@ -63,18 +61,50 @@ def _block_site(block: nn.Module, outputs: list[nn.Module], keep: float) -> list
     return [block.register_forward_pre_hook(draw, with_kwargs=True)] + [m.register_forward_hook(apply) for m in outputs]
 
 
-def apply_unit_noise(model: nn.Module, *, family: str, kind: str, keep: float) -> int:
-    """Hook the training forward of a plain model for `kind` (dropout | stochastic_depth) at
-    keep rate `keep`; returns the number of unit groups hooked."""
-    spec = unit_spec(model, family=family, granularity="neuron" if kind == "dropout" else "block")
-    for group in spec.groups:
-        if kind == "stochastic_depth":
+class Baseline:
+    """A baseline of `masking.name`: DDP with SDP's units of `granularity` dropped at random by
+    `apply` (hooks on a plain model's training forward), named `title` in tables."""
+
+    name = title = granularity = ""
+
+    def apply(self, model: nn.Module, spec, *, keep: float) -> None:
+        raise NotImplementedError
+
+
+class Dropout(Baseline):
+    """Structured dropout: each neuron unit zeroed where it enters its output projection."""
+
+    name, title, granularity = "dropout", "Dropout", "neuron"
+
+    def apply(self, model: nn.Module, spec, *, keep: float) -> None:
+        for group in spec.groups:
+            (out,) = group.outputs
+            module = model.get_submodule(out)
+            weight = next(s for s in group.slices if s.name == f"{out}.weight")  # sliced along its inputs
+            feature_unit = torch.empty(weight.index.numel(), dtype=torch.long)
+            units = torch.arange(group.num_units).repeat_interleave(weight.index.shape[1])
+            feature_unit[weight.index.reshape(-1)] = units
+            _dropout_site(module, feature_unit, group.num_units, keep, conv=isinstance(module, nn.Conv2d))
+
+
+class StochasticDepth(Baseline):
+    """Stochastic depth: a block's whole residual branch dropped."""
+
+    name, title, granularity = "stochastic_depth", "Stochastic depth", "block"
+
+    def apply(self, model: nn.Module, spec, *, keep: float) -> None:
+        for group in spec.groups:
             _block_site(model.get_submodule(group.name), [model.get_submodule(o) for o in group.outputs], keep)
-            continue
-        (out,) = group.outputs
-        module = model.get_submodule(out)
-        weight = next(s for s in group.slices if s.name == f"{out}.weight")  # sliced along its inputs
-        feature_unit = torch.empty(weight.index.numel(), dtype=torch.long)
-        feature_unit[weight.index.reshape(-1)] = torch.arange(group.num_units).repeat_interleave(weight.index.shape[1])
-        _dropout_site(module, feature_unit, group.num_units, keep, conv=isinstance(module, nn.Conv2d))
+
+
+BASELINES: dict[str, Baseline] = {b.name: b for b in (Dropout(), StochasticDepth())}
+assert tuple(BASELINES) == BASELINE_NAMES  # the names the config accepts (sdp.subnet)
+
+
+def apply_unit_noise(model: nn.Module, *, family: str, kind: str, keep: float) -> int:
+    """Hook the training forward of a plain model for baseline `kind` (dropout |
+    stochastic_depth) at keep rate `keep`; returns the number of unit groups hooked."""
+    baseline = BASELINES[kind]
+    spec = unit_spec(model, family=family, granularity=baseline.granularity)
+    baseline.apply(model, spec, keep=keep)
     return len(spec.groups)
