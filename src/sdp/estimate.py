@@ -19,6 +19,7 @@ prints, per category and in total, the estimate, the measurement and their ratio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -91,7 +92,8 @@ def cluster_report(args: EstimateArgs, cfg: RunConfig, est: Estimate) -> tuple[s
 
 
 def run_label(cfg: RunConfig) -> str:
-    outer = outer_label(cfg.outer.name, sync_every=cfg.outer.sync_every, fragments=cfg.outer.fragments)
+    knobs = dataclasses.asdict(cfg.outer)
+    outer = outer_label(cfg.outer.name, sync_every=cfg.outer.sync_every, fragments=cfg.outer.fragments, knobs=knobs)
     par = "FSDP" if cfg.parallelism.name == "fsdp" and not is_sdp(cfg.masking.name) else "DDP"
     if not is_sdp(cfg.masking.name):
         return par + outer

@@ -47,9 +47,15 @@ class OuterAlgorithm:
     def validate(self, cfg) -> None:
         """The checks on its outer.* knobs alone, one ConfigError naming the key."""
 
-    def label(self, *, sync_every: int, fragments: int = 1) -> str:
+    def label(self, *, sync_every: int, fragments: int = 1, knobs: dict | None = None) -> str:
+        """Its name in a row: the title, H and P, and what `details` makes of its knobs
+        (`knobs`: summary.json's `outer`, or the config's; None: none known, as in a plan)."""
         parts = [f"H={sync_every}", *([f"P={fragments}"] if fragments > 1 else [])]
-        return f"{self.title}({', '.join(parts)})"
+        return f"{self.title}({', '.join([*parts, *self.details(knobs or {})])})"
+
+    def details(self, knobs: dict) -> list[str]:
+        """The knobs a row's name shows beside H and P (rows of other settings must differ)."""
+        return []
 
     def build(self, cfg, view, *, device, comm, max_steps: int, bucket_cap_mb: float):
         raise NotImplementedError
@@ -100,7 +106,9 @@ def schema_of(name) -> type:
     return OuterConfig if algorithm is None else algorithm.schema
 
 
-def outer_label(name, *, sync_every: int | None, fragments: int = 1) -> str:
+def outer_label(name, *, sync_every: int | None, fragments: int = 1, knobs: dict | None = None) -> str:
     """ " + DiLoCo(H=10)" for a run with an outer loop, "" without (what a row's name ends with)."""
     algorithm = algorithm_of(name)
-    return "" if algorithm is None else f" + {algorithm.label(sync_every=sync_every, fragments=fragments)}"
+    if algorithm is None:
+        return ""
+    return f" + {algorithm.label(sync_every=sync_every, fragments=fragments, knobs=knobs)}"

@@ -251,6 +251,12 @@ class SparseLoCo(OuterAlgorithm):
     name, title, schema = "sparseloco", "SparseLoCo", SparseLoCoConfig
     caveat = "SparseLoCo: no converged comparison yet"
 
+    def details(self, knobs: dict) -> list[str]:
+        """The density and the value bits: "SparseLoCo(H=10, 3%, 2-bit)"."""
+        if "density" not in knobs:
+            return []
+        return [f"{100 * knobs['density']:g}%", f"{knobs['value_bits']}-bit"]
+
     def validate(self, cfg) -> None:
         check_window(cfg)
         if not (math.isfinite(cfg.lr) and cfg.lr > 0):

@@ -55,7 +55,9 @@ def variant_label(
     if inner_width != 1:
         label += f" (inner width {inner_width:g})"
     if outer and outer.get("name", "none") != "none":
-        label += outer_label(outer["name"], sync_every=outer["sync_every"], fragments=outer.get("fragments", 1))
+        label += outer_label(
+            outer["name"], sync_every=outer["sync_every"], fragments=outer.get("fragments", 1), knobs=outer
+        )
     if activation_checkpointing != "none":
         label += " + AC"
     if mixed_precision == "bf16":
