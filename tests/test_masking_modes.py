@@ -56,6 +56,7 @@ def test_a_mode_registered_in_a_test_is_composed_and_checked(mirror):
     assert str(err.value) == "masking.name='bogus': allowed: none, backward, forward, mirror, dropout, stochastic_depth"
 
 
+@pytest.mark.dist
 def test_a_mode_registered_in_a_test_trains_and_assembles_as_the_mode_it_copies(tmp_path):
     dirs = {}
     for name in ("backward", "mirror"):
@@ -69,6 +70,7 @@ def test_a_mode_registered_in_a_test_trains_and_assembles_as_the_mode_it_copies(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the assembled plain model
 
 
+@pytest.mark.slow  # a whole plan search (its parts: tests/test_plan_*.py)
 def test_a_mode_registered_in_a_test_is_planned(mirror, tmp_path, capsys):
     from sdp import plan
 

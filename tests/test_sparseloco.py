@@ -56,6 +56,7 @@ def four(tmp_path_factory):
     return _harness("sparse_anchor+feedback+ef_resize", 4, tmp_path_factory)
 
 
+@pytest.mark.dist
 def test_at_density_1_and_32_bits_it_is_diloco_lr_1_bitwise_where_pieces_have_2_holders(four):
     for case, r in four["sparse_anchor"].items():
         # Against a reference summing the gathered pseudo-gradients in rank order: bit for bit.
@@ -68,6 +69,7 @@ def test_at_density_1_and_32_bits_it_is_diloco_lr_1_bitwise_where_pieces_have_2_
     assert four["sparse_anchor"]["resnet-forward-neuron"]["holder_counts"] == [1, 2, 4]
 
 
+@pytest.mark.dist
 def test_the_error_feedback_keeps_exactly_what_was_not_sent(four):
     r = four["feedback"]
     assert r["records"] == 2 * len(r["buckets"])  # every bucket of both syncs
@@ -76,6 +78,7 @@ def test_the_error_feedback_keeps_exactly_what_was_not_sent(four):
     assert r["worst"] < 2**-23  # sent + kept = acc within the rounding of that subtraction
 
 
+@pytest.mark.dist
 def test_a_sync_sends_its_payload_and_the_estimator_and_planner_count_the_same_bytes(four):
     from sdp.planning.estimator import estimate
     from sdp.planning.report import _outer_sync
@@ -95,6 +98,7 @@ def test_a_sync_sends_its_payload_and_the_estimator_and_planner_count_the_same_b
     assert _outer_sync(est) == {"bytes": payload, "wire_bytes": 3 * payload}  # a plan row's
 
 
+@pytest.mark.dist
 def test_a_resume_on_another_world_size_starts_every_holder_from_their_mean(four):
     for case, r in four["ef_resize"].items():
         assert r["scale"] > 0, case  # an error feedback to keep
@@ -102,6 +106,7 @@ def test_a_resume_on_another_world_size_starts_every_holder_from_their_mean(four
         assert r["restored"] <= 1e-6 * r["scale"] and r["spread"] == 0.0, case
 
 
+@pytest.mark.dist
 def test_a_sigkill_mid_window_resumes_bitwise(tmp_path):
     from test_faults import with_fault
 
