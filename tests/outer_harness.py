@@ -164,20 +164,10 @@ def _holder_average(family: str, masking: MaskingConfig | None, *, lr: float, mo
     averaged over the ranks that hold it, then DiLoCo's first outer step,
     theta_prev - lr * (1 + momentum) * mean(Delta). The error is relative to each tensor's largest
     outer step."""
-    cfg = {"sync_every": 2, "lr": lr, "momentum": momentum}
-    strategy, loop, _ = build(family, masking, cfg, steps=2)
-    loop.start()
-    shapes = {n: t.shape for n, t in strategy.full_parameters().items()}
-    prev = scattered(loop, shapes, values=lambda p: loop.backup[p])
-    seen = {}
-
-    def before_sync(step: int) -> None:
-        seen["local"] = gathered(scattered(loop, shapes))
-
-    run(strategy, loop, family, steps=2, before_sync=before_sync)
-    new, worst, counts = scattered(loop, shapes), 0.0, set()
-    for name, got in new.items():
-        deltas = [prev[name] - r[name] for r in seen["local"] if name in r]
+    synced = _one_sync(family, masking, {"lr": lr, "momentum": momentum})
+    prev, worst, counts = synced["prev"], 0.0, set()
+    for name, got in synced["new"].items():
+        deltas = [prev[name] - r[name] for r in synced["local"] if name in r]
         stacked = torch.stack(deltas)
         held = ~stacked.isnan()
         mean = torch.where(held, stacked, 0.0).sum(0) / held.sum(0).clamp_min(1)
