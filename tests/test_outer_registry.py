@@ -89,3 +89,15 @@ def test_outer_name_is_any_registered_algorithm_and_its_schema_and_checks_are_it
     with pytest.raises(ConfigError, match=r"^outer.lr=0.7: invalid: "):
         load("outer=diloco", "outer.name=stepwise")
     assert type(load("outer=diloco", "outer.name=diloco").outer) is DiLoCoConfig
+
+
+def test_the_outer_state_is_read_from_every_ranks_share_and_from_checkpoints_before_the_registry():
+    import torch
+
+    from sdp.run.resume import _outer_state
+
+    a, b, c = torch.ones(2), torch.zeros(3), torch.full((1,), 2.0)
+    new = [{"outer": {"state": {"momentum/x": a}}}, {"outer": {"state": {"error_feedback/y": b}}}]
+    assert _outer_state(new) == {"momentum/x": a, "error_feedback/y": b}
+    old = [{"outer": {"momentum": {"x": a}}}, {"outer": {"momentum": {"y": c}}}]  # DiLoCo's, by bare name
+    assert _outer_state(old) == {"momentum/x": a, "momentum/y": c}

@@ -4,8 +4,8 @@ An algorithm owns what differs between methods that take local steps and sync no
 its config schema (`schema`, a dataclass extending `OuterConfig`) and the checks on it
 (`validate`), its name in tables, plans and estimates (`label`), and the loop that runs its syncs
 over a strategy's `OuterView` (`build`: a `sdp.outer.loop.OuterLoop`, which holds theta_prev, the
-windows and the checkpointed state, and asks its subclass how the holders exchange their
-pseudo-gradients and what the outer step is). The run, the estimator, the planner and the tables
+windows and the checkpointed state, and asks the algorithm's `OuterMethod` how the holders
+exchange their pseudo-gradients and what the outer step is). The run, the estimator, the planner and the tables
 ask the registry; none names an algorithm. The built-in ones register themselves in their own
 modules, which `sdp.outer` imports; docs/architecture.md says how to add one.
 """

@@ -72,7 +72,8 @@ class DiLoCoMethod(OuterMethod):
             return d
         # With backup_device=device `m` is the momentum itself (no copy), updated in place.
         m = self.momentum[p].to(d.device).mul_(mu).add_(d)
-        self.momentum[p].copy_(m)
+        if m is not self.momentum[p]:  # backup_device=cpu on an accelerator: back to the host
+            self.momentum[p].copy_(m)
         return d.add(m, alpha=mu)
 
     def state(self) -> dict[str, dict[nn.Parameter, torch.Tensor]]:

@@ -179,7 +179,8 @@ class SparseLoCoMethod(OuterMethod):
             e = self.errors[key].to(flat.device)  # with backup_device=device: the state itself
             e.mul_(self.cfg.error_decay).narrow(0, 0, layout.numel).add_(flat)
             payload = compress(layout, e)
-            self.errors[key].copy_(e)
+            if e is not self.errors[key]:  # backup_device=cpu on an accelerator: back to the host
+                self.errors[key].copy_(e)
             gathered = payload.new_empty(len(b.holders) * payload.numel())
             event = loop.issued("all_gather", payload.numel(), b.holders, fragment=fragment, index=b.index)
             work = dist.all_gather_single(gathered, payload, group=loop.view.group(b.holders), async_op=True)

@@ -171,12 +171,13 @@ def structures(
     precisions: tuple[str, ...] = PRECISIONS,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
     sync_every: tuple[int, ...] = (),
-    outer: str = "diloco",
+    outer: str | None = None,
 ) -> list[Structure]:
     """Every structure the planner weighs for these devices (one SDP worker per GPU, or F GPUs of
     equal memory per worker under SDP x FSDP, in bf16 when bf16 is searched: the paper's stacked
     configuration); `every`: all coverages r / K, not the grid's; each DDP and SDP structure
-    also with the outer loop of algorithm `outer` at each of `sync_every`, right after it."""
+    also with the outer loop of algorithm `outer` (None: DiLoCo, as `Structure` takes it) at each
+    of `sync_every`, right after it."""
     k = len(devices)
     sdp = [{"coverage": c} for c in coverages(k, min_coverage=min_coverage, every=every)] + [
         {"capacity": cap} for cap in capacity_lists(devices, min_coverage=min_coverage)
